@@ -1,0 +1,236 @@
+"""Deriv vs Hugging Face's GPT2LMHeadModel at the same size, side by side in one run.
+
+    deriv bench                      # or: python -m deriv_lm.bench.decoder
+    deriv bench --train-steps 5 --gen-repeats 3 --json out.json
+
+Both models get the same shape (default: 6 layers, hidden 384, 6 heads, d_ff 1536, context 256,
+vocab 8192), the same threads, the same inputs, sdpa attention and no dropout. Timings interleave
+the two models step by step so that machine noise hits both alike; the table gives medians and the
+Deriv / GPT-2 ratio. Peak memory is measured in a fresh child process per model and workload
+(peak resident set size above the process's size before the model was built).
+"""
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=8, help="training batch size (sequences of --context tokens)")
+    parser.add_argument("--train-steps", type=int, default=8, help="timed training steps per model")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt length for generation")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy new tokens per generation")
+    parser.add_argument("--gen-batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--gen-repeats", type=int, default=5, help="timed generations per model and batch size")
+    parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
+    parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def build(kind: str, args) -> torch.nn.Module:
+    """One model of `kind` ('deriv' or 'gpt2') at the benchmark's shape, in train mode, sdpa, no dropout."""
+    torch.manual_seed(0)
+    if kind == "deriv":
+        from deriv_lm import DerivConfig, DerivForCausalLM
+
+        config = DerivConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            intermediate_size=4 * args.hidden,
+            max_position_embeddings=args.context,
+            hidden_act=args.hidden_act,
+            pre_norm=args.pre_norm,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+        model = DerivForCausalLM(config)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=args.vocab,
+            n_embd=args.hidden,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_inner=4 * args.hidden,
+            n_positions=args.context,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        model = GPT2LMHeadModel(config)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def optimizer_for(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_step(model, optimizer, batch) -> None:
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def generate(model, prompt, new_tokens: int) -> torch.Tensor:
+    return model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # both models produce exactly the same number of tokens
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+
+
+def count_flops_per_token(model, args) -> float:
+    """Training FLOPs per token: 6 N (forward + backward over the matrices) + 12 L d T (attention scores)."""
+    n_matrix = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "position" not in name)
+    n_matrix += 0 if model.config.tie_word_embeddings is False else args.vocab * args.hidden  # tied head counts again
+    return 6 * n_matrix + 12 * args.layers * args.hidden * args.context
+
+
+def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matmul throughput, the ceiling for model FLOP utilisation."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / min(times) / 1e9
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory_child(kind, workload, args, queue):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = _rss_kib("VmRSS")
+    model = build(kind, args)
+    if workload == "train":
+        optimizer = optimizer_for(model)
+        batch = torch.randint(0, args.vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            train_step(model, optimizer, batch)
+    else:
+        model.eval()
+        prompt = torch.randint(3, args.vocab, (workload, args.prompt), generator=torch.Generator().manual_seed(0))
+        generate(model, prompt, args.new_tokens)
+    queue.put((_rss_kib("VmHWM") - base) / 1024)
+
+
+def peak_memory_mib(kind: str, workload, args) -> float:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_memory_child, args=(kind, workload, args, queue))
+    proc.start()
+    value = queue.get(timeout=900)
+    proc.join()
+    return value
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kinds = ("deriv", "gpt2")
+    models = {k: build(k, args) for k in kinds}
+    params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, args.vocab, (args.batch, args.context), generator=gen)
+    rows = []  # (metric, deriv, gpt2, unit)
+
+    # Training: warm up (first steps allocate optimizer state), then alternate the models step by step.
+    optimizers = {k: optimizer_for(m) for k, m in models.items()}
+    for k in kinds:
+        for _ in range(2):
+            train_step(models[k], optimizers[k], batch)
+    step_times = {k: [] for k in kinds}
+    for _ in range(args.train_steps):
+        for k in kinds:
+            start = time.perf_counter()
+            train_step(models[k], optimizers[k], batch)
+            step_times[k].append(time.perf_counter() - start)
+    tokens = args.batch * args.context
+    train_tps = {k: tokens / statistics.median(step_times[k]) for k in kinds}
+    rows.append(("train tokens/s (fp32, AdamW)", train_tps["deriv"], train_tps["gpt2"], "tok/s"))
+    del optimizers
+
+    peak = matmul_peak_gflops()
+    mfu = {k: count_flops_per_token(models[k], args) * train_tps[k] / 1e9 / peak for k in kinds}
+    rows.append(("train model FLOP utilisation", 100 * mfu["deriv"], 100 * mfu["gpt2"], "% of peak"))
+
+    # Generation: greedy, dynamic cache, exactly args.new_tokens new tokens.
+    for m in models.values():
+        m.eval()
+    for bs in args.gen_batches:
+        prompt = torch.randint(3, args.vocab, (bs, args.prompt), generator=gen)
+        for k in kinds:
+            generate(models[k], prompt, 8)  # warm-up
+        times = {k: [] for k in kinds}
+        for _ in range(args.gen_repeats):
+            for k in kinds:
+                start = time.perf_counter()
+                generate(models[k], prompt, args.new_tokens)
+                times[k].append(time.perf_counter() - start)
+        tps = {k: bs * args.new_tokens / statistics.median(times[k]) for k in kinds}
+        rows.append((f"generate new tokens/s, batch {bs} (greedy)", tps["deriv"], tps["gpt2"], "tok/s"))
+    del models
+
+    if not args.no_memory:
+        for workload in ["train", *args.gen_batches]:
+            mem = {k: peak_memory_mib(k, workload, args) for k in kinds}
+            label = "train step" if workload == "train" else f"generate batch {workload}"
+            rows.append((f"peak memory, {label}", mem["deriv"], mem["gpt2"], "MiB"))
+
+    title = (
+        f"Deriv vs GPT2LMHeadModel: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+        f"context {args.context}, vocab {args.vocab}; Deriv act={args.hidden_act}, "
+        f"{'pre' if args.pre_norm else 'post'}-LN; threads={torch.get_num_threads()}, torch {torch.__version__}"
+    )
+    print(title)
+    print(f"parameters: Deriv {params['deriv']:,}, GPT-2 {params['gpt2']:,}; fp32 matmul peak {peak:.0f} GFLOP/s")
+    print(f"| {'metric':<38} | {'Deriv':>10} | {'GPT-2':>10} | {'ratio':>6} | unit |")
+    print(f"|{'-' * 40}|{'-' * 12}:|{'-' * 12}:|{'-' * 7}:|------|")
+    for name, d, g, unit in rows:
+        print(f"| {name:<38} | {d:>10.1f} | {g:>10.1f} | {d / g:>6.2f} | {unit} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "rows": [dict(zip(("metric", "deriv", "gpt2", "unit"), r)) for r in rows]}, f, indent=2)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Configuration of the Deriv decoder-only transformer (Vaswani et al. 2017, "Attention Is All You Need").
+
+The defaults are the paper's base model (d_model=512, h=8, d_ff=2048, N=6, P_drop=0.1) with a
+decoder-only stack, as GPT (Radford et al. 2018) uses it for language modelling.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+
+HIDDEN_ACTS = ("relu", "gelu", "gelu_new", "silu")
+POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
+
+
+def _check_positive(config, *names):
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+def _check_probability(config, *names):
+    for name in names:
+        value = getattr(config, name)
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"`{name}` is a dropout probability and must lie in [0, 1), got {value!r}.")
+
+
+@strict
+class DerivConfig(PreTrainedConfig):
+    r"""Shape and hyperparameters of [`DerivForCausalLM`].
+
+    Field names are the library's standard ones, so `generate()`, caches, masks, pipelines and
+    `device_map` read them without adapters.
+
+    Example:
+    ```python
+    >>> from deriv_lm import DerivConfig, DerivForCausalLM
+    >>> config = DerivConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                      intermediate_size=128, max_position_embeddings=64)
+    >>> model = DerivForCausalLM(config)
+    ```
+    """
+
+    model_type = "deriv"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {"n_positions": "max_position_embeddings", "d_model": "hidden_size"}
+
+    vocab_size: int = 8192
+    hidden_size: int = 512  # d_model
+    num_hidden_layers: int = 6  # N
+    num_attention_heads: int = 8  # h; each head has d_k = d_v = hidden_size / h
+    intermediate_size: int = 2048  # d_ff of the position-wise feed-forward network
+    hidden_act: str = "relu"  # the paper's max(0, x); "gelu" as in GPT/BERT
+    max_position_embeddings: int = 512  # longest sequence (prompt + generated) the model accepts
+    # "sinusoidal": the paper's fixed PE, computed, never saved; "learned": a trained table (GPT-2).
+    position_embedding_type: str = "sinusoidal"
+    # False: the paper's post-LN, LayerNorm(x + Sublayer(x)). True: pre-LN, x + Sublayer(LayerNorm(x))
+    # plus a final LayerNorm (Xiong et al. 2020), which trains deeper stacks without warmup tricks.
+    pre_norm: bool = False
+    dropout: float = 0.1  # P_drop on each sub-layer output and on embeddings + positions (§5.4)
+    attention_dropout: float = 0.0  # on the attention probabilities
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02  # std of the linear layers at init
+    use_cache: bool = True
+    tie_word_embeddings: bool = True  # output projection = token embedding^T (§3.4)
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    def validate_architecture(self):
+        """Reject impossible shapes at construction, naming the field (run by `@strict`)."""
+        _check_positive(
+            self,
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        )
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads}): each head gets hidden_size / num_attention_heads dimensions."
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"`hidden_act` must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}.")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"`position_embedding_type` must be one of {POSITION_EMBEDDING_TYPES}, "
+                f"got {self.position_embedding_type!r}."
+            )
+        _check_probability(self, "dropout", "attention_dropout")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
+
+
+__all__ = ["DerivConfig"]

@@ -1,0 +1,375 @@
+"""The Deriv decoder: the transformer of Vaswani et al. 2017 ("Attention Is All You Need", § below)
+used decoder-only as a language model (Radford et al. 2018), written as a native Transformers model.
+
+The file reads bottom-up, like the paper: positions -> attention -> feed-forward -> block ->
+pretrained base -> model -> language-model head.
+
+Where the code departs from the 2017 paper, on purpose:
+- Decoder-only: no encoder and no cross-attention (the translation variant has both), so each
+  block is the paper's encoder block with the decoder's causal mask M.
+- `pre_norm=True` moves LayerNorm in front of each sub-layer and adds a final LayerNorm
+  (Xiong et al. 2020); the default is the paper's post-LN.
+- `hidden_act="gelu"` replaces the ReLU of the feed-forward network if asked for.
+- `position_embedding_type="learned"` replaces the sinusoid with a trained table (GPT-2).
+- Initialisation (the paper gives none): linear layers N(0, 0.02), token embedding
+  N(0, 1/d_model) so that the sqrt(d_model)-scaled embedding has unit variance, like the sinusoid.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_deriv import DerivConfig
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d))  (§3.5).
+
+    Computed in float64 and rounded once, so every device and dtype starts from the same table.
+    """
+    position = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # 1 / 10000^(2i/d): (ceil(d/2),)
+    angles = position * inv_freq  # (P, ceil(d/2))
+    table = torch.empty(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : dim // 2])
+    return table.to(torch.float32)
+
+
+class DerivSinusoidalPositionalEmbedding(nn.Module):
+    """Looks up PE(pos) for each position id: a fixed function of the position, not a parameter."""
+
+    def __init__(self, num_positions: int, embedding_dim: int):
+        super().__init__()
+        self.num_positions, self.embedding_dim = num_positions, embedding_dim
+        # subtle: a non-persistent buffer, so it follows .to(device, dtype) but is never written to
+        # model.safetensors. from_pretrained builds the model on the meta device and fills such
+        # buffers with uninitialised memory, so `_init_weights` recomputes the table after loading.
+        self.register_buffer("weight", sinusoidal_table(num_positions, embedding_dim), persistent=False)
+
+    def forward(self, position_ids: torch.LongTensor) -> torch.Tensor:
+        return nn.functional.embedding(position_ids, self.weight)  # (B, T, d)
+
+
+class DerivScaledWordEmbedding(nn.Embedding):
+    """Token embedding multiplied by sqrt(d_model) (§3.4), so it is on the scale of the sinusoid.
+
+    The scale lives in the embedding, not in the model, so `inputs_embeds` passed by a caller are in
+    the same space as those computed from ids, and the tied output projection uses the unscaled table.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.embed_scale = math.sqrt(embedding_dim)
+
+    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.embed_scale
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q K^T / sqrt(d_k) + M) V for all heads at once (§3.2.1); returns the weights too.
+
+    Q: (B, h, T, d_k), K and V: (B, h, S, d_k) with S = cached + new positions. M is the additive
+    mask from `transformers.masking_utils`: 0 where a query may look, the dtype's minimum where not.
+    """
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, h, T, S)
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask[:, :, :, : key.shape[-2]]
+    # subtle: softmax in float32 whatever the model dtype, so bf16 rows still sum to one.
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value)  # (B, h, T, d_k)
+    attn_output = attn_output.transpose(1, 2).contiguous()  # (B, T, h, d_k)
+    return attn_output, attn_weights
+
+
+class DerivAttention(nn.Module):
+    """MultiHead(X) = Concat(head_1..head_h) W^O, head_i = Attention(X W_i^Q, X W_i^K, X W_i^V)  (§3.2.2).
+
+    The h projections of each kind are one (d, d) linear map, split into heads by a reshape.
+    """
+
+    def __init__(self, config: DerivConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx  # which slot of the KV cache is this layer's
+        self.head_dim = config.hidden_size // config.num_attention_heads  # d_k = d_v = d / h
+        self.scaling = self.head_dim**-0.5  # 1 / sqrt(d_k)
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True  # read by the sdpa / flash kernels when no explicit mask is needed
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)  # W^O
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]  # (B, T)
+        hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, h, d_k)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, T, d_k)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        if past_key_values is not None:
+            # The KV cache: keys and values of earlier positions never change under a causal mask,
+            # so each step computes only the new ones and attends over all.  -> (B, h, S, d_k)
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # Concat(heads): (B, T, d)
+        return self.o_proj(attn_output), attn_weights
+
+
+class DerivMLP(nn.Module):
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, the same at every position (§3.3); act is ReLU in the paper."""
+
+    def __init__(self, config: DerivConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)  # (d -> d_ff)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)  # (d_ff -> d)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act_fn(self.fc1(hidden_states)))
+
+
+class DerivDecoderLayer(GradientCheckpointingLayer):
+    """One block: masked self-attention, then feed-forward, each wrapped in dropout, residual and LayerNorm.
+
+    post-LN (paper, §3.1 and §5.4):  x = LayerNorm(x + Dropout(Sublayer(x)))
+    pre-LN  (`pre_norm=True`):       x = x + Dropout(Sublayer(LayerNorm(x)))
+    """
+
+    def __init__(self, config: DerivConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = config.pre_norm
+        self.self_attn = DerivAttention(config, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = DerivMLP(config)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if self.pre_norm:
+            attn_output, _ = self.self_attn(self.self_attn_layer_norm(hidden_states), attention_mask, past_key_values, **kwargs)
+            hidden_states = hidden_states + self.dropout(attn_output)
+            hidden_states = hidden_states + self.dropout(self.mlp(self.final_layer_norm(hidden_states)))
+        else:
+            attn_output, _ = self.self_attn(hidden_states, attention_mask, past_key_values, **kwargs)
+            hidden_states = self.self_attn_layer_norm(hidden_states + self.dropout(attn_output))
+            hidden_states = self.final_layer_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
+        return hidden_states
+
+
+class DerivPreTrainedModel(PreTrainedModel):
+    """Capabilities and initialisation shared by the Deriv models; holds no layers of its own."""
+
+    config: DerivConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DerivDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": DerivDecoderLayer, "attentions": DerivAttention}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # subtle: save_pretrained writes only this head's Auto class into `auto_map`; name the bare
+        # decoder too, so a Hub user's `AutoModel.from_pretrained(folder, trust_remote_code=True)` works.
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        auto_map.setdefault("AutoModel", f"{DerivModel.__module__.rsplit('.', 1)[-1]}.{DerivModel.__name__}")
+        self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)  # linear N(0, initializer_range) with zero bias, LayerNorm (1, 0)
+        if isinstance(module, DerivSinusoidalPositionalEmbedding):
+            init.copy_(module.weight, sinusoidal_table(module.num_positions, module.embedding_dim))
+        elif isinstance(module, DerivScaledWordEmbedding):
+            init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
+
+
+def check_token_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
+    """Raise a ValueError naming the first id outside [0, vocab_size), instead of an index error deep inside."""
+    if input_ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
+    if low < 0 or high >= vocab_size:
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)][0].item()
+        raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {vocab_size}).")
+
+
+class DerivModel(DerivPreTrainedModel):
+    """The decoder stack: x_0 = sqrt(d) E[tokens] + PE[positions], x_l = Block_l(x_{l-1}); returns x_N."""
+
+    def __init__(self, config: DerivConfig):
+        super().__init__(config)
+        self.embed_tokens = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        else:
+            self.embed_positions = DerivSinusoidalPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([DerivDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        # Pre-LN leaves the residual stream unnormalised after the last block; post-LN already ends in one.
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            check_token_ids(input_ids, self.config.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        seq_len = inputs_embeds.shape[1]
+        if past_seen + seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"Sequence of {past_seen + seq_len} tokens ({past_seen} cached + {seq_len} new) is longer than "
+                f"max_position_embeddings={self.config.max_position_embeddings}; truncate the input or lower "
+                "max_new_tokens."
+            )
+        if position_ids is None:
+            # subtle: positions come from `position_ids` when given, because with left padding the
+            # first real token of a row is not at index 0; generate() derives them from the mask.
+            position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_seen).unsqueeze(0)
+
+        # M: causal (and padding) mask in the form the chosen attention kernel wants, or None
+        # when the kernel's own is_causal path is exact.
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = self.dropout(inputs_embeds + self.embed_positions(position_ids))  # (B, T, d)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, causal_mask, past_key_values, **kwargs)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
+    """p(x_t | x_<t) = softmax(x_N W_E^T): the decoder followed by the output projection (§3.4).
+
+    The projection is tied to the token embedding by default; softmax and sampling are left to
+    the loss and to `generate()`.
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DerivConfig):
+        super().__init__(config)
+        self.model = DerivModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Targets aligned with `input_ids` (usually a copy of them); the loss shifts them by one so
+            position t predicts token t+1, and ignores positions labelled -100.
+        logits_to_keep (`int` or `torch.Tensor`, defaults to 0):
+            Compute logits only for the last `logits_to_keep` positions (0: all); `generate()` passes 1.
+        """
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)  # (B, T, V)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["DerivPreTrainedModel", "DerivModel", "DerivForCausalLM"]

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny configs and models (CPU, seconds), a tiny byte-level tokenizer, and a
+helper that runs Python in a subprocess that cannot import this package."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from deriv_lm import DerivConfig, DerivForCausalLM
+
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    dropout=0.0,
+)
+
+
+@pytest.fixture
+def tiny_config() -> DerivConfig:
+    return DerivConfig(**TINY)
+
+
+def make_model(seed: int = 0, **overrides) -> DerivForCausalLM:
+    torch.manual_seed(seed)
+    return DerivForCausalLM(DerivConfig(**{**TINY, **overrides})).eval()
+
+
+@pytest.fixture
+def tiny_model() -> DerivForCausalLM:
+    return make_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE of 300 ids (pad=0, bos=1, eos=2, then bytes and a few merges), built in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = ["the quick brown fox jumps over the lazy dog. " * 4, "a transformer attends to every token. " * 4]
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", padding_side="left"
+    )
+
+
+HIDE_PACKAGE = textwrap.dedent(
+    """
+    import sys
+
+    class _HideDeriv:
+        # A Hub user's machine: this package is not installed.
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("deriv_lm", "modeling_deriv"):
+                raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
+            return None
+
+    sys.meta_path.insert(0, _HideDeriv())
+    """
+)
+
+
+def run_without_package(code: str, tmp_path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter that cannot import deriv_lm, offline, from an empty directory."""
+    script = tmp_path / "hub_user.py"
+    script.write_text(HIDE_PACKAGE + textwrap.dedent(code) + "\nassert 'deriv_lm' not in sys.modules\n")
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "PYTHONPATH": "",
+    }
+    workdir = tmp_path / "cwd"
+    workdir.mkdir(exist_ok=True)
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+    )

@@ -1,0 +1,225 @@
+"""The decoder's equations and training behaviour: parity with an independent reference, the
+sinusoid, the mask, the loss, tying, the variants, and clear errors on bad input."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY, make_model
+from deriv_lm import DerivConfig, DerivForCausalLM, DerivModel
+from deriv_lm.modeling_deriv.modeling_deriv import eager_attention_forward, sinusoidal_table
+from reference import reference_logits, sinusoid
+
+
+def ids(batch=2, length=12, seed=0, vocab=TINY["vocab_size"]):
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_sinusoid_matches_the_formula():
+    table = sinusoidal_table(50, 32)
+    assert torch.allclose(table.double(), sinusoid(50, 32), atol=1e-6)
+    assert torch.equal(table[0, 0::2], torch.zeros(16)) and torch.equal(table[0, 1::2], torch.ones(16))
+
+
+def test_sinusoid_is_not_a_parameter_nor_saved(tiny_model):
+    names = {n for n, _ in tiny_model.named_parameters()}
+    assert not any("embed_positions" in n for n in names)
+    assert not any("embed_positions" in k for k in tiny_model.state_dict())
+
+
+@pytest.mark.parametrize("variant", [{}, {"pre_norm": True}, {"hidden_act": "gelu"}])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_logits_match_independent_reference(variant, attn):
+    model = make_model(seed=1, **variant)
+    model.set_attn_implementation(attn)
+    x = ids(batch=1, length=10)[0]
+    with torch.no_grad():
+        logits = model(x[None]).logits[0].double()
+    expected = reference_logits(model.state_dict(), model.config, x)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_eager_attention_equals_torch_sdpa():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 7, 8) for _ in range(3))
+    causal = torch.full((7, 7), float("-inf")).triu(1)[None, None]
+    module = torch.nn.Module().eval()
+    out, weights = eager_attention_forward(module, q, k, v, causal, scaling=8**-0.5)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 7))
+
+
+def test_eager_and_sdpa_models_agree(tiny_model):
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0  # left padding in the second row
+    with torch.no_grad():
+        tiny_model.set_attn_implementation("eager")
+        eager = tiny_model(x, attention_mask=mask).logits
+        tiny_model.set_attn_implementation("sdpa")
+        sdpa = tiny_model(x, attention_mask=mask).logits
+    torch.testing.assert_close(eager[0], sdpa[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eager[1, 3:], sdpa[1, 3:], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_weights_are_causal_distributions(tiny_model):
+    tiny_model.set_attn_implementation("eager")
+    out = tiny_model(ids(length=9), output_attentions=True)
+    assert len(out.attentions) == TINY["num_hidden_layers"]
+    for weights in out.attentions:
+        assert weights.shape == (2, TINY["num_attention_heads"], 9, 9)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, TINY["num_attention_heads"], 9))
+        assert torch.all(weights.triu(1) == 0)  # no position looks ahead
+
+
+def test_hidden_states_one_per_layer_plus_embeddings(tiny_model):
+    out = tiny_model(ids(), output_hidden_states=True)
+    assert len(out.hidden_states) == TINY["num_hidden_layers"] + 1
+    assert out.hidden_states[0].shape == (2, 12, TINY["hidden_size"])
+
+
+def test_future_tokens_do_not_change_past_logits(tiny_model):
+    x = ids(batch=1, length=10)
+    y = x.clone()
+    y[0, 6:] = (y[0, 6:] + 1) % TINY["vocab_size"]
+    with torch.no_grad():
+        a, b = tiny_model(x).logits, tiny_model(y).logits
+    torch.testing.assert_close(a[:, :6], b[:, :6])
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_loss_is_shifted_cross_entropy(tiny_model):
+    x = ids()
+    labels = x.clone()
+    labels[0, :4] = -100
+    out = tiny_model(x, labels=labels)
+    logits = out.logits[:, :-1].reshape(-1, TINY["vocab_size"])
+    expected = F.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_untrained_loss_is_near_log_vocab(tiny_model):
+    loss = tiny_model(ids(batch=4, length=32), labels=ids(batch=4, length=32)).loss.item()
+    assert abs(loss - math.log(TINY["vocab_size"])) < 1.0
+
+
+def test_output_projection_is_tied_to_embedding(tiny_model):
+    assert tiny_model.lm_head.weight is tiny_model.model.embed_tokens.weight
+    untied = make_model(tie_word_embeddings=False)
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_embedding_is_scaled_by_sqrt_d(tiny_model):
+    x = ids(batch=1, length=5)
+    emb = tiny_model.model.embed_tokens
+    torch.testing.assert_close(emb(x), F.embedding(x, emb.weight) * math.sqrt(TINY["hidden_size"]))
+
+
+def test_return_dict_false_gives_tuple(tiny_model):
+    x = ids()
+    out = tiny_model(x, labels=x, return_dict=False, use_cache=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], tiny_model(x, labels=x).loss)
+    assert out[1].shape == (2, 12, TINY["vocab_size"])
+
+
+def test_logits_to_keep_slices_last_positions(tiny_model):
+    x = ids()
+    full = tiny_model(x).logits
+    torch.testing.assert_close(tiny_model(x, logits_to_keep=1).logits, full[:, -1:])
+
+
+def test_base_model_returns_hidden_states(tiny_config):
+    model = DerivModel(tiny_config)
+    out = model(ids())
+    assert out.last_hidden_state.shape == (2, 12, TINY["hidden_size"])
+
+
+def test_inputs_embeds_equal_input_ids(tiny_model):
+    x = ids()
+    embeds = tiny_model.get_input_embeddings()(x)
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_model(inputs_embeds=embeds).logits, tiny_model(x).logits)
+
+
+def test_learned_positions_variant_trains():
+    model = make_model(position_embedding_type="learned").train()
+    assert isinstance(model.model.embed_positions, torch.nn.Embedding)
+    x = ids()
+    model(x, labels=x).loss.backward()
+    assert model.model.embed_positions.weight.grad.abs().sum() > 0
+
+
+def overfit(model, steps=60, lr=3e-3):
+    x = ids(batch=2, length=16, seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    first = None
+    for _ in range(steps):
+        loss = model(x, labels=x).loss
+        first = loss.item() if first is None else first
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return first, loss.item()
+
+
+@pytest.mark.parametrize("variant", [{}, {"pre_norm": True}])
+def test_tiny_model_overfits_one_batch(variant):
+    first, last = overfit(make_model(**variant))
+    assert first > 4.0 and last < 0.5, (first, last)
+
+
+def test_gradient_checkpointing_trains_with_same_gradients():
+    x = ids()
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model().train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+            assert model.model.layers[0].gradient_checkpointing
+        model(x, labels=x).loss.backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+    model = make_model().train()
+    model.activation_checkpointing_enable()
+    first, last = overfit(model, steps=30)
+    assert last < first
+
+
+def test_dropout_is_active_in_training_only():
+    model = make_model(dropout=0.5)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, model(x).logits)
+        model.train()
+        assert not torch.allclose(model(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("bad", [TINY["vocab_size"], -1, 10**6])
+def test_out_of_range_token_id_names_the_id(tiny_model, bad):
+    x = ids()
+    x[1, 5] = bad
+    with pytest.raises(ValueError, match=rf"Token id {bad} is outside the vocabulary"):
+        tiny_model(x)
+
+
+def test_too_long_sequence_is_a_clear_error(tiny_model):
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+        tiny_model(ids(batch=1, length=65))
+
+
+def test_exactly_one_of_ids_or_embeds(tiny_model):
+    with pytest.raises(ValueError, match="exactly one"):
+        tiny_model()
+
+
+def test_model_is_a_transformers_citizen(tiny_model):
+    from transformers import GenerationMixin, PreTrainedModel
+
+    assert isinstance(tiny_model, PreTrainedModel) and isinstance(tiny_model, GenerationMixin)
+    assert tiny_model.config._attn_implementation in ("sdpa", "eager")
+    assert DerivForCausalLM.config_class is DerivConfig
