@@ -12,7 +12,6 @@ Deriv / GPT-2 ratio. Peak memory is measured in a fresh child process per model 
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import statistics
 import time
@@ -36,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    parser.add_argument("--memory-repeats", type=int, default=3, help="child processes per model and workload (median)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -102,10 +102,11 @@ def generate(model, prompt, new_tokens: int) -> torch.Tensor:
     )
 
 
-def count_flops_per_token(model, args) -> float:
-    """Training FLOPs per token: 6 N (forward + backward over the matrices) + 12 L d T (attention scores)."""
-    n_matrix = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "position" not in name)
-    n_matrix += 0 if model.config.tie_word_embeddings is False else args.vocab * args.hidden  # tied head counts again
+def flops_per_token(args) -> float:
+    """Training FLOPs per token, the same count for both models (PaLM appendix B):
+    6 x (matrix parameters used per token: 12 L d^2 in the blocks + V d in the output projection)
+    + 12 L d T for the attention scores and their weighted sums."""
+    n_matrix = 12 * args.layers * args.hidden**2 + args.vocab * args.hidden
     return 6 * n_matrix + 12 * args.layers * args.hidden * args.context
 
 
@@ -183,7 +184,7 @@ def run(args) -> int:
     del optimizers
 
     peak = matmul_peak_gflops()
-    mfu = {k: count_flops_per_token(models[k], args) * train_tps[k] / 1e9 / peak for k in kinds}
+    mfu = {k: flops_per_token(args) * train_tps[k] / 1e9 / peak for k in kinds}
     rows.append(("train model FLOP utilisation", 100 * mfu["deriv"], 100 * mfu["gpt2"], "% of peak"))
 
     # Generation: greedy, dynamic cache, exactly args.new_tokens new tokens.
@@ -205,7 +206,7 @@ def run(args) -> int:
 
     if not args.no_memory:
         for workload in ["train", *args.gen_batches]:
-            mem = {k: peak_memory_mib(k, workload, args) for k in kinds}
+            mem = {k: statistics.median(peak_memory_mib(k, workload, args) for _ in range(args.memory_repeats)) for k in kinds}
             label = "train step" if workload == "train" else f"generate batch {workload}"
             rows.append((f"peak memory, {label}", mem["deriv"], mem["gpt2"], "MiB"))
 

@@ -16,9 +16,11 @@ Where the code departs from the 2017 paper, on purpose:
 """
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -46,7 +48,7 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
     table = torch.empty(num_positions, dim, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles[:, : dim // 2])
-    return table.to(torch.float32)
+    return table.to(torch.get_default_dtype())  # from_pretrained(dtype=...) sets the default while building
 
 
 class DerivSinusoidalPositionalEmbedding(nn.Module):
@@ -220,6 +222,20 @@ class DerivPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = True
     _can_record_outputs = {"hidden_states": DerivDecoderLayer, "attentions": DerivAttention}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            # subtle: safetensors reports a bad header without saying which file it was reading.
+            folder = str(pretrained_model_name_or_path)
+            names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+            files = ", ".join(os.path.join(folder, f) for f in names) or f"the weights of {folder}"
+            raise OSError(
+                f"Could not read {files}: {error}. The file is corrupt or truncated (an interrupted download "
+                "or copy?); download or export it again."
+            ) from error
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # subtle: save_pretrained writes only this head's Auto class into `auto_map`; name the bare

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine (see README.md): `make test` and, from the training issue on,
+# `make train`. Each sets itself up: a virtual environment in .venv with this package installed
+# in editable mode. Nothing is needed beforehand but python3 (>= 3.10) and make.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed first and on its own, so that the build can be chosen: 2.13.0 is a CPU build
+# on the project's CI machines. Elsewhere pass e.g. TORCH=torch to take the newest build for you.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.deriv-installed
+
+.PHONY: setup test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/deriv bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
