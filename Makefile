@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.deriv-installed
 
-.PHONY: setup test bench clean
+.PHONY: setup test lint bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: setup
 	$(VENV)/bin/deriv bench $(BENCH_ARGS)

@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
-    parser.add_argument("--memory-repeats", type=int, default=3, help="child processes per model and workload (median)")
+    parser.add_argument(
+        "--memory-repeats", type=int, default=3, help="child processes per model and workload (median)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -206,7 +208,10 @@ def run(args) -> int:
 
     if not args.no_memory:
         for workload in ["train", *args.gen_batches]:
-            mem = {k: statistics.median(peak_memory_mib(k, workload, args) for _ in range(args.memory_repeats)) for k in kinds}
+            mem = {
+                k: statistics.median(peak_memory_mib(k, workload, args) for _ in range(args.memory_repeats))
+                for k in kinds
+            }
             label = "train step" if workload == "train" else f"generate batch {workload}"
             rows.append((f"peak memory, {label}", mem["deriv"], mem["gpt2"], "MiB"))
 
@@ -223,7 +228,8 @@ def run(args) -> int:
         print(f"| {name:<38} | {d:>10.1f} | {g:>10.1f} | {d / g:>6.2f} | {unit} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"title": title, "rows": [dict(zip(("metric", "deriv", "gpt2", "unit"), r)) for r in rows]}, f, indent=2)
+            keys = ("metric", "deriv", "gpt2", "unit")
+            json.dump({"title": title, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}, f, indent=2)
     return 0
 
 

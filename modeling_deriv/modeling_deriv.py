@@ -198,7 +198,9 @@ class DerivDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> torch.Tensor:
         if self.pre_norm:
-            attn_output, _ = self.self_attn(self.self_attn_layer_norm(hidden_states), attention_mask, past_key_values, **kwargs)
+            attn_output, _ = self.self_attn(
+                self.self_attn_layer_norm(hidden_states), attention_mask, past_key_values, **kwargs
+            )
             hidden_states = hidden_states + self.dropout(attn_output)
             hidden_states = hidden_states + self.dropout(self.mlp(self.final_layer_norm(hidden_states)))
         else:
@@ -230,7 +232,9 @@ class DerivPreTrainedModel(PreTrainedModel):
         except SafetensorError as error:
             # subtle: safetensors reports a bad header without saying which file it was reading.
             folder = str(pretrained_model_name_or_path)
-            names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+            names = (
+                sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+            )
             files = ", ".join(os.path.join(folder, f) for f in names) or f"the weights of {folder}"
             raise OSError(
                 f"Could not read {files}: {error}. The file is corrupt or truncated (an interrupted download "
@@ -272,7 +276,9 @@ class DerivModel(DerivPreTrainedModel):
         if config.position_embedding_type == "learned":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         else:
-            self.embed_positions = DerivSinusoidalPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+            self.embed_positions = DerivSinusoidalPositionalEmbedding(
+                config.max_position_embeddings, config.hidden_size
+            )
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([DerivDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         # Pre-LN leaves the residual stream unnormalised after the last block; post-LN already ends in one.

@@ -37,10 +37,10 @@ def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tens
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
 
-        def lin(name, v):
+        def lin(name, v, p=p):
             return v @ sd[p + name + ".weight"].T + sd[p + name + ".bias"]
 
-        def ln(name, v):
+        def ln(name, v, p=p):
             return layer_norm(v, sd[p + name + ".weight"], sd[p + name + ".bias"], config.layer_norm_eps)
 
         def attention(v):

@@ -6,8 +6,28 @@ from deriv_lm.bench import decoder
 from deriv_lm.cli import main
 
 
-TINY_ARGS = ["--layers", "1", "--hidden", "32", "--heads", "2", "--context", "32", "--vocab", "64", "--batch", "2",
-             "--train-steps", "1", "--prompt", "4", "--new-tokens", "4", "--gen-repeats", "1"]
+TINY_ARGS = [
+    "--layers",
+    "1",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--context",
+    "32",
+    "--vocab",
+    "64",
+    "--batch",
+    "2",
+    "--train-steps",
+    "1",
+    "--prompt",
+    "4",
+    "--new-tokens",
+    "4",
+    "--gen-repeats",
+    "1",
+]
 
 
 def test_bench_prints_the_side_by_side_table(tmp_path, capsys):

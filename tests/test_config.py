@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from conftest import TINY
 from transformers import AutoConfig
 
-from conftest import TINY
 from deriv_lm import DerivConfig
 
 

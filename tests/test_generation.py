@@ -5,6 +5,7 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
+from conftest import TINY
 from transformers import (
     DynamicCache,
     GenerationConfig,
@@ -12,7 +13,6 @@ from transformers import (
     TextStreamer,
 )
 
-from conftest import TINY, make_model
 from deriv_lm import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
 
 
@@ -94,8 +94,14 @@ def test_top_p_keeps_tokens_inside_the_nucleus(tiny_model):
     x = prompt(batch=2)
     torch.manual_seed(3)
     out = tiny_model.generate(
-        x, do_sample=True, top_p=0.5, max_new_tokens=10, eos_token_id=None, pad_token_id=0,
-        output_logits=True, return_dict_in_generate=True,
+        x,
+        do_sample=True,
+        top_p=0.5,
+        max_new_tokens=10,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     new = out.sequences[:, x.shape[1] :]
     for step, logits in enumerate(out.logits):
@@ -130,8 +136,16 @@ def sequence_logprob(model, seq, prompt_len):
 def test_beam_search_scores_are_the_model_log_probabilities(tiny_model):
     x = prompt()
     out = tiny_model.generate(
-        x, num_beams=4, num_return_sequences=2, max_new_tokens=6, min_new_tokens=6, length_penalty=0.0,
-        early_stopping=True, eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+        x,
+        num_beams=4,
+        num_return_sequences=2,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        length_penalty=0.0,
+        early_stopping=True,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
     )
     assert out.sequences.shape == (2, x.shape[1] + 6)
     with torch.no_grad():
@@ -147,20 +161,29 @@ def test_beam_search_scores_are_the_model_log_probabilities(tiny_model):
 def test_beam_search_cached_equals_uncached(tiny_model):
     x = prompt(batch=2)
     kwargs = dict(num_beams=3, max_new_tokens=8, eos_token_id=None, do_sample=False)
-    assert torch.equal(tiny_model.generate(x, use_cache=True, **kwargs), tiny_model.generate(x, use_cache=False, **kwargs))
+    assert torch.equal(
+        tiny_model.generate(x, use_cache=True, **kwargs), tiny_model.generate(x, use_cache=False, **kwargs)
+    )
 
 
 def test_no_repeat_ngram_size(tiny_model):
     x = prompt()
     out = greedy(tiny_model, x, max_new_tokens=40, no_repeat_ngram_size=2)[0].tolist()
-    bigrams = list(zip(out, out[1:]))
+    bigrams = list(zip(out, out[1:], strict=False))
     assert len(bigrams) == len(set(bigrams))
 
 
 def processed_vs_raw(model, x, **kwargs):
     out = model.generate(
-        x, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0,
-        output_scores=True, output_logits=True, return_dict_in_generate=True, **kwargs,
+        x,
+        do_sample=False,
+        max_new_tokens=6,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
     )
     return out.sequences, out.logits, out.scores
 
@@ -206,7 +229,11 @@ def test_penalties_inside_generate(tiny_model):
 def test_a_large_presence_penalty_forbids_repeats(tiny_model):
     x = prompt(length=4)
     out = tiny_model.generate(
-        x, do_sample=False, max_new_tokens=30, eos_token_id=None, pad_token_id=0,
+        x,
+        do_sample=False,
+        max_new_tokens=30,
+        eos_token_id=None,
+        pad_token_id=0,
         logits_processor=LogitsProcessorList([PresencePenaltyLogitsProcessor(1e4)]),
     )[0].tolist()
     assert len(out) == len(set(out))
@@ -225,15 +252,20 @@ def test_text_streamer_prints_the_generated_text(tiny_model, tiny_tokenizer):
     buffer = io.StringIO()
     with redirect_stdout(buffer):
         out = tiny_model.generate(
-            **inputs, streamer=TextStreamer(tiny_tokenizer, skip_prompt=True), max_new_tokens=10,
-            do_sample=False, eos_token_id=None,
+            **inputs,
+            streamer=TextStreamer(tiny_tokenizer, skip_prompt=True),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
         )
     expected = tiny_tokenizer.decode(out[0, inputs.input_ids.shape[1] :])
     assert buffer.getvalue().strip() == expected.strip() and expected.strip()
 
 
 def test_generation_config_is_respected(tiny_model):
-    tiny_model.generation_config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    tiny_model.generation_config = GenerationConfig(
+        max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert tiny_model.generate(prompt()).shape[1] == 6 + 3
 
 

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import TINY, make_model
+from reference import reference_logits, sinusoid
+
 from deriv_lm import DerivConfig, DerivForCausalLM, DerivModel
 from deriv_lm.modeling_deriv.modeling_deriv import eager_attention_forward, sinusoidal_table
-from reference import reference_logits, sinusoid
 
 
 def ids(batch=2, length=12, seed=0, vocab=TINY["vocab_size"]):

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from conftest import make_model, run_without_package
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, pipeline
 
-from conftest import make_model, run_without_package
 from deriv_lm import DerivConfig, DerivForCausalLM, DerivModel
 
 
@@ -27,7 +27,13 @@ def saved(tmp_path):
 def test_folder_layout_and_auto_map(saved):
     _, folder = saved
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "configuration_deriv.py", "modeling_deriv.py"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "configuration_deriv.py",
+        "modeling_deriv.py",
+    } <= names
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map == {
         "AutoConfig": "configuration_deriv.DerivConfig",
@@ -59,8 +65,16 @@ def test_auto_classes_resolve_the_registered_type(saved):
     _, folder = saved
     assert type(AutoConfig.from_pretrained(folder)) is DerivConfig
     assert type(AutoModel.from_pretrained(folder)) is DerivModel
-    assert type(AutoModelForCausalLM.from_config(DerivConfig(vocab_size=50, hidden_size=8, num_attention_heads=2,
-                                                             num_hidden_layers=1, intermediate_size=16))) is DerivForCausalLM
+    assert (
+        type(
+            AutoModelForCausalLM.from_config(
+                DerivConfig(
+                    vocab_size=50, hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16
+                )
+            )
+        )
+        is DerivForCausalLM
+    )
 
 
 def test_learned_positions_are_saved(tmp_path):
@@ -164,7 +178,8 @@ def test_auto_device_map_never_splits_a_block():
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     # Room for about one and a half blocks on a (pretend) GPU 0: the second block must go whole to the CPU.
     device_map = infer_auto_device_map(
-        model, max_memory={0: int(layer_bytes * 1.5) + 300 * 32 * 4, "cpu": 10**9},
+        model,
+        max_memory={0: int(layer_bytes * 1.5) + 300 * 32 * 4, "cpu": 10**9},
         no_split_module_classes=model._no_split_modules,
     )
     assert set(device_map.values()) == {0, "cpu"}
