@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt length for generation")
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy new tokens per generation")
     parser.add_argument("--gen-batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--gen-repeats", type=int, default=5, help="timed generations per model and batch size")
+    parser.add_argument("--gen-repeats", type=int, default=7, help="timed generations per model and batch size")
     parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
     parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -257,14 +257,22 @@ class DerivPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
 
 
-def check_token_ids(input_ids: torch.LongTensor, vocab_size: int) -> None:
-    """Raise a ValueError naming the first id outside [0, vocab_size), instead of an index error deep inside."""
-    if input_ids.numel() == 0 or torch.compiler.is_compiling():
+def check_inputs(input_ids: torch.LongTensor | None, past_seen: int, seq_len: int, config: DerivConfig) -> None:
+    """Fail early, naming the offending value, on ids outside [0, vocab_size) and on sequences longer than
+    the position table, instead of an index error deep inside. Skipped under torch.compile, where a
+    data-dependent branch would break the graph."""
+    if torch.compiler.is_compiling():
         return
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
-    if low < 0 or high >= vocab_size:
-        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)][0].item()
-        raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {vocab_size}).")
+    if past_seen + seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"Sequence of {past_seen + seq_len} tokens ({past_seen} cached + {seq_len} new) is longer than "
+            f"max_position_embeddings={config.max_position_embeddings}; truncate the input or lower max_new_tokens."
+        )
+    if input_ids is not None and input_ids.numel() > 0:
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
+        if low < 0 or high >= config.vocab_size:
+            bad = input_ids[(input_ids < 0) | (input_ids >= config.vocab_size)][0].item()
+            raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {config.vocab_size}).")
 
 
 class DerivModel(DerivPreTrainedModel):
@@ -300,20 +308,14 @@ class DerivModel(DerivPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        if inputs_embeds is None:
-            check_token_ids(input_ids, self.config.vocab_size)
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d)
-
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        seq_len = inputs_embeds.shape[1]
-        if past_seen + seq_len > self.config.max_position_embeddings:
-            raise ValueError(
-                f"Sequence of {past_seen + seq_len} tokens ({past_seen} cached + {seq_len} new) is longer than "
-                f"max_position_embeddings={self.config.max_position_embeddings}; truncate the input or lower "
-                "max_new_tokens."
-            )
+        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        check_inputs(input_ids, past_seen, seq_len, self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d)
+
         if position_ids is None:
             # subtle: positions come from `position_ids` when given, because with left padding the
             # first real token of a row is not at index 0; generate() derives them from the mask.

@@ -272,3 +272,18 @@ def test_generation_config_is_respected(tiny_model):
 def test_generating_past_the_context_is_a_clear_error(tiny_model):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         greedy(tiny_model, prompt(length=60), max_new_tokens=10)
+
+
+def test_decode_step_compiles_as_one_graph_with_a_static_cache(tiny_model):
+    from transformers import StaticCache
+
+    x = prompt(length=8)
+    caches = [StaticCache(config=tiny_model.config, max_cache_len=32) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            tiny_model(x, past_key_values=cache, use_cache=True)
+        step = dict(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[8]]), use_cache=True)
+        eager = tiny_model(past_key_values=caches[0], **step).logits
+        # fullgraph=True fails on any graph break: what `_can_compile_fullgraph = True` promises.
+        compiled = torch.compile(tiny_model.forward, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(past_key_values=caches[1], **step).logits, eager)
