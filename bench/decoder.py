@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     parser.add_argument(
-        "--memory-repeats", type=int, default=3, help="child processes per model and workload (median)"
+        "--memory-repeats", type=int, default=5, help="child processes per model and workload (median)"
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
