@@ -175,8 +175,8 @@ def run(args) -> int:
         for _ in range(2):
             train_step(models[k], optimizers[k], batch)
     step_times = {k: [] for k in kinds}
-    for _ in range(args.train_steps):
-        for k in kinds:
+    for i in range(args.train_steps):
+        for k in kinds if i % 2 == 0 else kinds[::-1]:  # alternate who goes first
             start = time.perf_counter()
             train_step(models[k], optimizers[k], batch)
             step_times[k].append(time.perf_counter() - start)
@@ -197,8 +197,8 @@ def run(args) -> int:
         for k in kinds:
             generate(models[k], prompt, 8)  # warm-up
         times = {k: [] for k in kinds}
-        for _ in range(args.gen_repeats):
-            for k in kinds:
+        for i in range(args.gen_repeats):
+            for k in kinds if i % 2 == 0 else kinds[::-1]:
                 start = time.perf_counter()
                 generate(models[k], prompt, args.new_tokens)
                 times[k].append(time.perf_counter() - start)
