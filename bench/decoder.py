@@ -124,6 +124,21 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / min(times) / 1e9
 
 
+def peak_tensor_mib(fn) -> float:
+    """Peak of tensor memory allocated while `fn` runs, beyond what was live before, from the profiler's
+    allocation events: exact and independent of the allocator, unlike the process's resident size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        # frees arrive as "[memory]" events; an op's own allocations are its self memory
+        live += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak / 2**20
+
+
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -183,6 +198,9 @@ def run(args) -> int:
     tokens = args.batch * args.context
     train_tps = {k: tokens / statistics.median(step_times[k]) for k in kinds}
     rows.append(("train tokens/s (fp32, AdamW)", train_tps["deriv"], train_tps["gpt2"], "tok/s"))
+    tensor_peaks = {
+        "train step": {k: peak_tensor_mib(lambda m=models[k], o=optimizers[k]: train_step(m, o, batch)) for k in kinds}
+    }
     del optimizers
 
     peak = matmul_peak_gflops()
@@ -204,7 +222,12 @@ def run(args) -> int:
                 times[k].append(time.perf_counter() - start)
         tps = {k: bs * args.new_tokens / statistics.median(times[k]) for k in kinds}
         rows.append((f"generate new tokens/s, batch {bs} (greedy)", tps["deriv"], tps["gpt2"], "tok/s"))
+        tensor_peaks[f"generate batch {bs}"] = {
+            k: peak_tensor_mib(lambda m=models[k], p=prompt: generate(m, p, args.new_tokens)) for k in kinds
+        }
     del models
+    for label, peak_mib in tensor_peaks.items():
+        rows.append((f"peak tensor memory, {label}", peak_mib["deriv"], peak_mib["gpt2"], "MiB"))
 
     if not args.no_memory:
         for workload in ["train", *args.gen_batches]:
@@ -213,7 +236,7 @@ def run(args) -> int:
                 for k in kinds
             }
             label = "train step" if workload == "train" else f"generate batch {workload}"
-            rows.append((f"peak memory, {label}", mem["deriv"], mem["gpt2"], "MiB"))
+            rows.append((f"peak resident memory, {label}", mem["deriv"], mem["gpt2"], "MiB"))
 
     title = (
         f"Deriv vs GPT2LMHeadModel: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "

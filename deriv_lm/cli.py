@@ -9,10 +9,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from .bench import decoder as bench_decoder
+    from .bench import tokenizer as bench_tokenizer
+    from .tokenization import commands as tokenizer_commands
+
+    tokenizer = sub.add_parser("tokenizer", help="train, show and measure byte-level BPE tokenizers")
+    tokenizer_commands.add_arguments(tokenizer)
 
     bench = sub.add_parser("bench", help="benchmark Deriv against Hugging Face's GPT-2 at the same size")
     bench_decoder.add_arguments(bench)
     bench.set_defaults(func=bench_decoder.run)
+
+    bench_tok = sub.add_parser("bench-tokenizer", help="benchmark the BPE trainers and encoding")
+    bench_tokenizer.add_arguments(bench_tok)
+    bench_tok.set_defaults(func=bench_tokenizer.run)
 
     args = parser.parse_args(argv)
     return args.func(args) or 0

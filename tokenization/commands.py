@@ -1,0 +1,124 @@
+"""`deriv tokenizer train | show | stats`: the command-line side of this room."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .bpe import save_tokenizer, special_tokens_with, train_bpe
+from .corpus import Corpus, default_corpus, hub_corpus, local_corpus
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
+    """--files or --dataset; neither means the embedded default corpus (shared with the training commands)."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--files", nargs="+", metavar="PATH", help="local .txt/.jsonl/.json/.csv/.parquet files, globs or folders"
+    )
+    source.add_argument("--dataset", metavar="NAME", help="a `datasets` dataset (Hub name or local path)")
+    parser.add_argument("--dataset-config", default=None, help="the dataset's configuration name")
+    parser.add_argument("--split", default="train", help="dataset split (default: train)")
+    parser.add_argument("--text-column", default="text", help="column holding the text (default: text)")
+    parser.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it whole")
+
+
+def corpus_from_args(args: argparse.Namespace) -> Corpus:
+    if args.files:
+        return local_corpus(args.files, text_column=args.text_column)
+    if args.dataset:
+        return hub_corpus(args.dataset, args.dataset_config, args.split, args.text_column, args.streaming)
+    return default_corpus()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="tokenizer_command", required=True)
+
+    train = sub.add_parser("train", help="train a byte-level BPE tokenizer and write a Hugging Face folder")
+    train.add_argument("--out", required=True, help="folder to write (created; tokenizer files in it are replaced)")
+    train.add_argument("--vocab-size", type=int, default=8192, help="ids in the vocabulary (default: 8192)")
+    train.add_argument(
+        "--special-token",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="an extra special token (repeatable), after <pad> <bos> <eos> and the role tokens",
+    )
+    train.add_argument("--model-max-length", type=int, default=1024, help="longest input the model will accept")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_corpus_arguments(train)
+    train.set_defaults(func=run_train)
+
+    show = sub.add_parser("show", help="show how a text splits into tokens")
+    show.add_argument("folder", help="a tokenizer (or model) folder")
+    show.add_argument("text", nargs="?", help="the text (default: read standard input)")
+    show.set_defaults(func=run_show)
+
+    stats = sub.add_parser("stats", help="vocabulary statistics, and characters per token on a sample")
+    stats.add_argument("folder", help="a tokenizer (or model) folder")
+    stats.add_argument(
+        "--sample-mb", type=float, default=0.5, help="MB of the corpus to measure characters per token on"
+    )
+    add_corpus_arguments(stats)
+    stats.set_defaults(func=run_stats)
+
+
+def characters_per_token(tokenizer, documents: list[str]) -> float:
+    """Characters of text per token: how much each token of the model's context carries."""
+    encodings = tokenizer.backend_tokenizer.encode_batch(documents, add_special_tokens=False)
+    tokens = sum(len(e.ids) for e in encodings)
+    return sum(map(len, documents)) / max(1, tokens)
+
+
+def _sample(documents, megabytes: float) -> list[str]:
+    sample, size = [], 0
+    for text in documents:
+        sample.append(text)
+        size += len(text)
+        if size >= megabytes * 1e6:
+            break
+    return sample
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .bpe import to_transformers
+
+    corpus = corpus_from_args(args)
+    special = special_tokens_with(args.special_token)
+    tokenizer, summary = train_bpe(corpus, args.vocab_size, special, progress=not args.no_progress)
+    save_tokenizer(tokenizer, args.out, model_max_length=args.model_max_length)
+    ratio = characters_per_token(to_transformers(tokenizer), _sample(corpus, 1.0))
+    print(
+        f"tokenizer: {summary.vocab_size} ids | corpus {summary.characters / 1e6:.2f} M characters in "
+        f"{summary.documents} documents ({corpus.description}) | {ratio:.2f} characters per token | "
+        f"{summary.seconds:.2f} s ({summary.megabytes_per_second:.1f} MB/s) -> {args.out}"
+    )
+    return 0
+
+
+def _load(folder: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{folder}: not a tokenizer folder ({error})") from error
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from .viewer import show_tokens
+
+    text = args.text if args.text is not None else sys.stdin.read()
+    print(show_tokens(_load(args.folder), text))
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from .viewer import format_stats, vocabulary_stats
+
+    tokenizer = _load(args.folder)
+    stats = vocabulary_stats(tokenizer)
+    corpus = corpus_from_args(args)
+    stats["sample"] = f"{args.sample_mb} MB of {corpus.description}"
+    stats["characters_per_token"] = characters_per_token(tokenizer, _sample(corpus, args.sample_mb))
+    print(format_stats(stats))
+    return 0

@@ -1,0 +1,200 @@
+"""Where the text comes from: the embedded default corpus, local files, or a `datasets` dataset.
+
+Every source yields plain strings (documents) and describes itself in one line for the run
+records. Errors name the file, column or dataset at fault.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import glob
+import os
+import platform
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
+
+# Parts of the standard library that are not prose worth learning from (tests, vendored
+# grammars, the IDE, demo and platform-specific trees).
+_SKIPPED_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "idlelib",
+    "lib2to3",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "ensurepip",
+    "turtledemo",
+    "pydoc_data",
+    "venv",
+    "tkinter",
+    "encodings",
+}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A named source of documents that can be read more than once (each `iter` starts again)."""
+
+    description: str
+    documents: Callable[[], Iterator[str]]
+
+    def __iter__(self) -> Iterator[str]:
+        return self.documents()
+
+
+def _stdlib_docstrings() -> Iterator[str]:
+    """Docstrings of the standard library's pure-Python modules, classes and functions.
+
+    The sources are parsed with `ast`, never imported, so no module runs any code (no
+    `antigravity` opening a browser, no `this` printing a poem) and the result does not depend on
+    what happens to be importable. Files are read in sorted path order; repeated docstrings are
+    kept once.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    seen: set[str] = set()
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith("."))
+        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    for path in sorted(paths):
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), filename=path)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # a handful of files are deliberately broken or in other encodings
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40 and doc not in seen:
+                    seen.add(doc)
+                    yield doc
+
+
+def _pydoc_topics() -> Iterator[str]:
+    """The language reference topics that `help()` shows (`pydoc_data.topics`), in sorted key order."""
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        yield topics[key]
+
+
+@functools.lru_cache(maxsize=1)
+def _default_documents() -> tuple[str, ...]:
+    return (*_pydoc_topics(), *_stdlib_docstrings())  # parsing the stdlib takes seconds: do it once
+
+
+def default_corpus() -> Corpus:
+    """English text that ships with every CPython: the `help()` topics and the standard library's docstrings.
+
+    About 2 MB, the same text in the same order on every run of the same Python, and no network.
+    """
+    return Corpus(
+        f"default: Python {platform.python_version()} help() topics + stdlib docstrings",
+        lambda: iter(_default_documents()),
+    )
+
+
+def _expand(paths: str | list[str]) -> list[str]:
+    """Files named by paths, globs or folders (searched recursively for the known suffixes), sorted."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    files: list[str] = []
+    for entry in paths:
+        if os.path.isdir(entry):
+            for suffix in LOCAL_SUFFIXES:
+                files += glob.glob(os.path.join(entry, "**", f"*{suffix}"), recursive=True)
+        elif any(ch in entry for ch in "*?["):
+            files += glob.glob(entry, recursive=True)
+        elif os.path.exists(entry):
+            files.append(entry)
+        else:
+            raise FileNotFoundError(f"No such file or folder: {entry}")
+    files = sorted(set(files))
+    if not files:
+        raise FileNotFoundError(f"No {'/'.join(LOCAL_SUFFIXES)} files found in {', '.join(paths)}")
+    for path in files:
+        if not path.endswith(LOCAL_SUFFIXES):
+            raise ValueError(f"{path}: unsupported file type; use one of {', '.join(LOCAL_SUFFIXES)}")
+    return files
+
+
+def _read_text_file(path: str) -> Iterator[str]:
+    """A .txt file as one document; a decoding error names the file and the byte offset."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path}: not valid UTF-8 at byte {error.start} ({error.reason}); convert the file to UTF-8"
+        ) from error
+    except OSError as error:
+        raise OSError(f"{path}: cannot be read ({error.strerror})") from error
+    if text.strip():
+        yield text
+
+
+def _table_column(path: str, column: str) -> Iterator[str]:
+    """The `column` of a .jsonl/.json/.csv/.parquet file, read with `datasets`."""
+    import datasets
+
+    builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}[os.path.splitext(path)[1]]
+    try:
+        table = datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as error:  # datasets raises many kinds; the file name is what the user needs
+        raise ValueError(f"{path}: cannot be read as {builder} ({error})") from error
+    if column not in table.column_names:
+        raise KeyError(f"{path}: no column {column!r}; the columns are {table.column_names}")
+    for value in table[column]:
+        if isinstance(value, str) and value:
+            yield value
+
+
+def local_corpus(paths: str | list[str], text_column: str = "text") -> Corpus:
+    """Local files: .txt (the whole file is one document), or the `text_column` of .jsonl/.json/.csv/.parquet."""
+    files = _expand(paths)
+
+    def documents() -> Iterator[str]:
+        for path in files:
+            yield from _read_text_file(path) if path.endswith(".txt") else _table_column(path, text_column)
+
+    return Corpus(f"local: {len(files)} file(s) from {paths}", documents)
+
+
+def hub_corpus(
+    name: str, config: str | None = None, split: str = "train", text_column: str = "text", streaming: bool = False
+) -> Corpus:
+    """A `datasets` dataset by name (from the Hub or its local cache), one document per row of `text_column`."""
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(name, config, split=split, streaming=streaming)
+    except Exception as error:
+        from huggingface_hub import constants
+
+        offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+        hint = (
+            "The Hub cannot be reached (offline mode is on)"
+            if offline
+            else "It may not exist, or the Hub cannot be reached from here"
+        )
+        raise ConnectionError(
+            f"Cannot load the dataset {name!r} (config {config!r}, split {split!r}): {error}. {hint}; pass local "
+            "files instead (--files), or run without a dataset to use the embedded default corpus."
+        ) from error
+    columns = list(dataset.column_names or [])
+    if columns and text_column not in columns:
+        raise KeyError(f"Dataset {name!r} has no column {text_column!r}; the columns are {columns}")
+
+    def documents() -> Iterator[str]:
+        for row in dataset:
+            value = row[text_column]
+            if isinstance(value, str) and value:
+                yield value
+
+    return Corpus(f"datasets: {name}{'/' + config if config else ''} [{split}] column {text_column!r}", documents)
