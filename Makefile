@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.deriv-installed
 
-.PHONY: setup test lint bench clean
+.PHONY: setup test lint bench bench-tokenizer clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/deriv bench $(BENCH_ARGS)
+
+bench-tokenizer: setup
+	$(VENV)/bin/deriv bench-tokenizer $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

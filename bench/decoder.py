@@ -11,9 +11,12 @@ Deriv / GPT-2 ratio. Peak memory is measured in a fresh child process per model 
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -124,12 +127,26 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / min(times) / 1e9
 
 
+@contextlib.contextmanager
+def _stderr_silenced():
+    """The profiler's C++ side prints start/stop lines on file descriptor 2; keep the table readable."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def peak_tensor_mib(fn) -> float:
     """Peak of tensor memory allocated while `fn` runs, beyond what was live before, from the profiler's
     allocation events: exact and independent of the allocator, unlike the process's resident size."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):

@@ -44,3 +44,12 @@ def test_peak_memory_child_reports_a_positive_size():
     decoder.add_arguments(parser)
     args = parser.parse_args(TINY_ARGS)
     assert decoder.peak_memory_mib("deriv", 1, args) > 0
+
+
+def test_tokenizer_bench_prints_every_row_and_checks_equality(capsys):
+    args = ["bench-tokenizer", "--vocab-size", "400", "--slice-mb", "0.02", "--slice-vocab-size", "300", "--repeats", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "merges (in order) equal the library's on the slice: True" in out
+    for row in ("library train, whole corpus", "reference heap trainer", "naive recount trainer", "encode, one batch"):
+        assert row in out
