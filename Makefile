@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.deriv-installed
 
-.PHONY: setup test lint bench bench-tokenizer clean
+.PHONY: setup test train lint bench bench-tokenizer clean
 
 setup: $(STAMP)
 
@@ -18,11 +18,15 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,viz]"
 	touch $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The main job: a tokenizer and the `tiny` model on the embedded default corpus (minutes on 2 CPU cores).
+train: setup
+	$(VENV)/bin/deriv train lm $(TRAIN_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

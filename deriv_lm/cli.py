@@ -11,6 +11,10 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import decoder as bench_decoder
     from .bench import tokenizer as bench_tokenizer
     from .tokenization import commands as tokenizer_commands
+    from .training import commands as training_commands
+
+    train = sub.add_parser("train", help="train a model (lm: the decoder language model)")
+    training_commands.add_arguments(train)
 
     tokenizer = sub.add_parser("tokenizer", help="train, show and measure byte-level BPE tokenizers")
     tokenizer_commands.add_arguments(tokenizer)

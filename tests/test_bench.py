@@ -47,7 +47,17 @@ def test_peak_memory_child_reports_a_positive_size():
 
 
 def test_tokenizer_bench_prints_every_row_and_checks_equality(capsys):
-    args = ["bench-tokenizer", "--vocab-size", "400", "--slice-mb", "0.02", "--slice-vocab-size", "300", "--repeats", "1"]
+    args = [
+        "bench-tokenizer",
+        "--vocab-size",
+        "400",
+        "--slice-mb",
+        "0.02",
+        "--slice-vocab-size",
+        "300",
+        "--repeats",
+        "1",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "merges (in order) equal the library's on the slice: True" in out

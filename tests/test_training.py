@@ -1,0 +1,368 @@
+"""Training: the loop, the exported folder, resume after a kill, two processes, and faults."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+from deriv_lm.training import TrainingArguments, train_lm
+from deriv_lm.training.args import add_arguments, from_namespace
+
+
+def tiny_args(tmp_path, corpus_file, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        files=[str(corpus_file)],
+        cache_dir=str(tmp_path / "cache"),
+        vocab_size=300,
+        context_length=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        batch_size=4,
+        max_steps=12,
+        warmup_steps=2,
+        learning_rate=3e-3,
+        log_every=2,
+        eval_every=6,
+        eval_batches=3,
+        save_every=4,
+        samples=1,
+        progress=False,
+        num_proc=1,
+        dropout=0.1,
+    )
+    values.update(overrides)
+    args = TrainingArguments(**values)
+    args.validate()
+    return args
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    from deriv_lm.tokenization import default_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    with open(path, "w") as f:
+        for i, doc in enumerate(default_corpus()):
+            if i >= 120:
+                break
+            f.write(json.dumps({"text": doc}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, corpus_file):
+    tmp = tmp_path_factory.mktemp("trained")
+    args = tiny_args(tmp, corpus_file)
+    train_lm(args, cpu=True)
+    return args
+
+
+def test_exported_folder_is_complete_and_loads(trained_run):
+    folder = trained_run.output_dir
+    names = set(os.listdir(folder))
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "modeling_deriv.py",
+        "configuration_deriv.py",
+        "run.json",
+        "metrics.jsonl",
+        "loss.png",
+    } <= names
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    out = generator("Return the", max_new_tokens=5, do_sample=False)
+    assert out[0]["generated_text"].startswith("Return the")
+    assert model.generation_config.do_sample and model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_run_record_and_metrics(trained_run):
+    folder = trained_run.output_dir
+    record = json.loads(open(os.path.join(folder, "run.json")).read())
+    lines = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    assert record["training"]["steps"] == 12 and record["training"]["tokens_seen"] == 12 * 4 * 31
+    final_eval = [r for r in lines if "val_loss" in r][-1]
+    assert record["metrics"]["val_loss"] == final_eval["val_loss"]
+    assert math.isclose(final_eval["val_perplexity"], math.exp(final_eval["val_loss"]), rel_tol=1e-9)
+    assert [r["step"] for r in lines if "train_loss" in r] == [2, 4, 6, 8, 10, 12]
+    losses = [r["train_loss"] for r in lines if "train_loss" in r]
+    assert losses[-1] < losses[0]  # it learns
+    assert 0 <= lines[0]["data_wait_share"] < 1
+    with open(os.path.join(folder, "loss.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_learning_rate_warms_up_then_decays(trained_run):
+    lines = [json.loads(line) for line in open(os.path.join(trained_run.output_dir, "metrics.jsonl"))]
+    lrs = [r["learning_rate"] for r in lines if "learning_rate" in r]
+    peak = trained_run.learning_rate
+    assert lrs[0] == pytest.approx(peak)  # step 2 ends the 2-step warmup
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False)) and lrs[-1] == pytest.approx(peak * 0.1)
+
+
+def test_checkpoints_keep_the_last_two(trained_run):
+    names = sorted(os.listdir(os.path.join(trained_run.output_dir, "checkpoints")))
+    assert names == ["step-0000008", "step-0000012"]
+
+
+def test_second_run_reuses_the_tokenized_cache(trained_run, corpus_file, tmp_path):
+    import datasets
+
+    from deriv_lm.tokenization.commands import corpus_from_args
+    from deriv_lm.training.data import lm_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_run.output_dir)
+    args = tiny_args(tmp_path, corpus_file, cache_dir=trained_run.cache_dir)
+    train, _ = lm_datasets(corpus_from_args(args), tokenizer, args)
+    assert all(f["filename"].startswith(trained_run.cache_dir) for f in train.cache_files)
+    before = {f["filename"] for f in train.cache_files}
+    train_again, _ = lm_datasets(corpus_from_args(args), tokenizer, args)
+    assert {f["filename"] for f in train_again.cache_files} == before  # same cached Arrow files
+    assert isinstance(train, datasets.Dataset)
+
+
+# ---- resume after a kill ---------------------------------------------------------------------------
+
+
+def run_cli(args: TrainingArguments, *extra: str, launcher=(sys.executable,)) -> subprocess.Popen:
+    flags = ["--output-dir", args.output_dir, "--files", *args.files, "--cache-dir", args.cache_dir]
+    for name in (
+        "vocab_size",
+        "context_length",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "batch_size",
+        "max_steps",
+        "warmup_steps",
+        "learning_rate",
+        "log_every",
+        "eval_every",
+        "eval_batches",
+        "save_every",
+        "samples",
+        "num_proc",
+        "dropout",
+    ):
+        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    # one thread per process when several share the 2 cores (a single run keeps torch's default)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if len(launcher) > 1 else None
+    return subprocess.Popen(
+        [*launcher, "-m", "deriv_lm.cli", "train", "lm", "--cpu", "--no-progress", *flags, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def test_killed_and_resumed_run_ends_with_the_same_weights(tmp_path, corpus_file):
+    steps = 400  # long enough (a few seconds) to be stopped in the middle
+    reference = tiny_args(tmp_path / "a", corpus_file, max_steps=steps, save_every=1000, eval_every=1000, log_every=10)
+    train_lm(reference, cpu=True)
+
+    interrupted = tiny_args(
+        tmp_path / "b",
+        corpus_file,
+        max_steps=steps,
+        save_every=1000,
+        eval_every=1000,
+        log_every=10,
+        cache_dir=reference.cache_dir,
+    )
+    proc = run_cli(interrupted)
+    metrics = os.path.join(interrupted.output_dir, "metrics.jsonl")
+    deadline = time.time() + 240
+    while time.time() < deadline and not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 3):
+        time.sleep(0.2)  # wait until a few steps are done, then stop it mid-run
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 130, output[-3000:]
+    assert "SIGTERM received: saved" in output
+    checkpoints = os.listdir(interrupted.checkpoint_dir)
+    stopped_at = int(checkpoints[-1].split("-")[1])
+    assert 0 < stopped_at < steps and not os.path.exists(os.path.join(interrupted.output_dir, "model.safetensors"))
+
+    proc = run_cli(interrupted, "--resume")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert "resumed from" in output and f"at step {stopped_at}" in output
+    a = load_file(os.path.join(reference.output_dir, "model.safetensors"))
+    b = load_file(os.path.join(interrupted.output_dir, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# ---- two processes -----------------------------------------------------------------------------------
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, corpus_file):
+    single = tiny_args(
+        tmp_path / "one",
+        corpus_file,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        dropout=0.0,
+        max_steps=8,
+        eval_every=1000,
+        save_every=1000,
+        log_every=1,
+    )
+    train_lm(single, cpu=True)
+    double = tiny_args(
+        tmp_path / "two",
+        corpus_file,
+        batch_size=4,
+        gradient_accumulation_steps=1,
+        dropout=0.0,
+        max_steps=8,
+        eval_every=1000,
+        save_every=1000,
+        log_every=1,
+        cache_dir=single.cache_dir,
+        tokenizer=os.path.join(single.output_dir, "tokenizer"),
+    )
+    # torchrun starts two real processes (gloo on CPU); accelerate's debug_launcher forks this
+    # process, whose torch thread pool is already running, and the children can deadlock.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = run_cli(double, "--tokenizer", double.tokenizer, launcher=launcher)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert "2 process(es) on cpu" in output
+
+    def curve(args):
+        lines = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
+        return [r["train_loss"] for r in lines if "train_loss" in r]
+
+    one, two = curve(single), curve(double)
+    assert len(one) == len(two) == 8
+    # Same samples per step (accelerate deals batch 2k to process 0 and 2k+1 to process 1, the
+    # single process sees them as one accumulation window): equal up to float summation order.
+    for a, b in zip(one, two, strict=True):
+        assert abs(a - b) < 1e-3, (one, two)
+
+
+# ---- faults ------------------------------------------------------------------------------------------
+
+
+def test_corpus_smaller_than_one_block(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text("too short")
+    (tmp_path / "other.txt").write_text("also short")
+    args = tiny_args(tmp_path, path, files=[str(path), str(tmp_path / "other.txt")], context_length=64)
+    with pytest.raises(ValueError, match="smaller than one block of 64 tokens"):
+        train_lm(args, cpu=True)
+
+
+def test_missing_text_column(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"body": "hello"}\n' * 10)
+    with pytest.raises(KeyError, match="no column 'text'"):
+        train_lm(tiny_args(tmp_path, path), cpu=True)
+
+
+def test_resume_with_another_model_shape_is_a_clear_error(trained_run, tmp_path):
+    args = TrainingArguments(
+        **{**vars(trained_run), "hidden_size": 64, "resume": True, "max_steps": trained_run.max_steps + 4}
+    )
+    with pytest.raises(ValueError, match="does not match this model"):
+        train_lm(args, cpu=True)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, corpus_file, monkeypatch):
+    from deriv_lm.modeling_deriv import DerivForCausalLM
+    from deriv_lm.training import NonFiniteLoss
+
+    original = DerivForCausalLM.forward
+    calls = {"n": 0}
+
+    def forward(self, *a, **k):
+        out = original(self, *a, **k)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] > 5:
+                out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(DerivForCausalLM, "forward", forward)
+    args = tiny_args(tmp_path, corpus_file, save_every=4, max_steps=12)
+    with pytest.raises(NonFiniteLoss, match=r"became nan at step 6.*step-0000004"):
+        train_lm(args, cpu=True)
+    assert os.listdir(args.checkpoint_dir) == ["step-0000004"]
+
+
+def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, corpus_file, monkeypatch):
+    import errno
+
+    from accelerate import Accelerator
+
+    original = Accelerator.save_state
+    calls = {"n": 0}
+
+    def save_state(self, output_dir=None, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            original(self, output_dir, **kwargs)  # a partial write...
+            raise OSError(errno.ENOSPC, "No space left on device")  # ...then the disk fills up
+        return original(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_state)
+    args = tiny_args(tmp_path, corpus_file, save_every=4, max_steps=12)
+    with pytest.raises(OSError, match=r"No space left on device.*last good checkpoint is untouched: .*step-0000004"):
+        train_lm(args, cpu=True)
+    assert os.listdir(args.checkpoint_dir) == ["step-0000004"]
+    assert os.path.exists(os.path.join(args.checkpoint_dir, "step-0000004", "trainer_state.json"))
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+
+
+def parse(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_namespace(parser.parse_args(argv))
+
+
+def test_flags_override_config_file_which_overrides_preset(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("preset: small\nmax_steps: 77\nlearning_rate: 0.0005\n")
+    args = parse(["--config", str(config), "--learning-rate", "0.002", "--pre-norm"])
+    assert args.hidden_size == 384  # from the preset
+    assert args.max_steps == 77  # from the file
+    assert args.learning_rate == 0.002 and args.pre_norm is True  # from the flags
+    json_config = tmp_path / "run.json"
+    json_config.write_text(json.dumps({"max_steps": 5, "files": ["a.txt"]}))
+    assert parse(["--config", str(json_config)]).files == ["a.txt"]
+
+
+def test_presets_and_bad_arguments(tmp_path):
+    assert parse([]).hidden_size == 256 and parse(["--preset", "gpt2-124m"]).num_hidden_layers == 12
+    with pytest.raises(ValueError, match="Unknown preset"):
+        parse(["--preset", "huge"])
+    with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
+        parse(["--batch-size", "0"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_stepz: 3\n")
+    with pytest.raises(ValueError, match=r"unknown training arguments \['max_stepz'\]"):
+        parse(["--config", str(bad)])
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        parse(["--config", str(tmp_path / "nope.yaml")])

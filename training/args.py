@@ -1,0 +1,193 @@
+"""Training arguments: one dataclass, presets, and loading from the command line or a YAML/JSON file.
+
+Precedence, lowest first: the dataclass defaults, the preset, the `--config` file, the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainingArguments:
+    # where
+    output_dir: str = "runs/deriv-tiny"  # the exported model folder; checkpoints go to output_dir/checkpoints
+    preset: str = "tiny"
+    # data (none of files/dataset: the embedded default corpus)
+    files: list[str] = field(default_factory=list)
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    streaming: bool = False
+    max_documents: int | None = None  # with --streaming: how many documents to read (None: all)
+    validation_fraction: float = 0.05  # of the documents, held out before packing (no block straddles both)
+    num_proc: int | None = None  # processes for tokenization (None: one per CPU core, at most 8)
+    cache_dir: str | None = None  # datasets cache (None: the library's default)
+    # tokenizer: an existing folder, or train one of vocab_size on the training documents
+    tokenizer: str | None = None
+    vocab_size: int = 4096
+    # model
+    context_length: int = 128
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 1024
+    hidden_act: str = "relu"
+    pre_norm: bool = False
+    dropout: float = 0.1
+    # optimisation
+    batch_size: int = 16  # sequences per device per micro-batch
+    gradient_accumulation_steps: int = 1
+    max_steps: int = 600  # optimizer steps
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 60
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98  # the paper's beta_2
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "auto"  # auto: bf16 where the hardware supports it, else fp32; or "no", "bf16", "fp16"
+    seed: int = 1234
+    # observing and saving
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 20
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    report_to: str = "none"  # or "tensorboard" (needs the tensorboard package)
+    resume: bool = False
+    samples: int = 3  # texts generated at the end
+    progress: bool = True
+
+    def validate(self) -> None:
+        positive = [
+            "vocab_size",
+            "context_length",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "batch_size",
+            "gradient_accumulation_steps",
+            "max_steps",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+            "save_every",
+            "keep_checkpoints",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise ValueError(f"`validation_fraction` must lie in (0, 1), got {self.validation_fraction}")
+        if self.files and self.dataset:
+            raise ValueError("Pass either `files` or `dataset`, not both")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"`mixed_precision` must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.report_to not in ("none", "tensorboard"):
+            raise ValueError(f"`report_to` must be none or tensorboard, got {self.report_to!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"`learning_rate` must be positive, got {self.learning_rate}")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.output_dir, "checkpoints")
+
+
+# Each preset overrides only what differs from the defaults (which are `tiny`).
+PRESETS: dict[str, dict] = {
+    # The main job: about 4.2 M parameters, 600 steps of 16 x 128 tokens; minutes on 2 CPU cores.
+    "tiny": {},
+    # A model that writes passable prose on a few hundred MB; an hour-scale run on one GPU.
+    "small": dict(
+        output_dir="runs/deriv-small",
+        vocab_size=8192,
+        context_length=256,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        intermediate_size=1536,
+        batch_size=32,
+        max_steps=5000,
+        learning_rate=6e-4,
+        warmup_steps=500,
+        eval_every=250,
+        save_every=500,
+    ),
+    # GPT-2 small's shape (124 M parameters with a 50 257 vocabulary), pre-LN and GELU as GPT-2;
+    # a multi-GPU run: 8 GPUs x 8 sequences x 8 accumulation steps x 1024 tokens = 0.5 M tokens a step.
+    "gpt2-124m": dict(
+        output_dir="runs/deriv-gpt2-124m",
+        vocab_size=50257,
+        context_length=1024,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        hidden_act="gelu",
+        pre_norm=True,
+        dropout=0.0,
+        batch_size=8,
+        gradient_accumulation_steps=8,
+        max_steps=20000,
+        learning_rate=6e-4,
+        warmup_steps=700,
+        adam_beta2=0.95,
+        eval_every=500,
+        save_every=1000,
+        mixed_precision="bf16",
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field (--max-steps 100, --pre-norm / --no-pre-norm, --files a.txt b.txt), plus --config."""
+    parser.add_argument("--config", help="a YAML or JSON file of training arguments")
+    for f in dataclasses.fields(TrainingArguments):
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif kind.startswith("list"):
+            parser.add_argument(flag, nargs="+", default=None)
+        else:
+            convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+            parser.add_argument(flag, type=convert, default=None)
+
+
+def load_config_file(path: str) -> dict:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No such config file: {path}")
+    with open(path, encoding="utf-8") as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            values = yaml.safe_load(f) or {}
+        else:
+            values = json.load(f)
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of argument names to values")
+    return values
+
+
+def from_namespace(namespace: argparse.Namespace) -> TrainingArguments:
+    """Defaults < preset < --config file < command-line flags."""
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    given = {k: v for k, v in vars(namespace).items() if k in names and v is not None}
+    from_file = load_config_file(namespace.config) if getattr(namespace, "config", None) else {}
+    unknown = set(from_file) - names
+    if unknown:
+        raise ValueError(f"{namespace.config}: unknown training arguments {sorted(unknown)}")
+    preset = given.get("preset", from_file.get("preset", "tiny"))
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    args = TrainingArguments(**{**PRESETS[preset], **from_file, **given, "preset": preset})
+    args.validate()
+    return args

@@ -1,0 +1,379 @@
+"""The trainer core on `accelerate`: one loop for every task, from a laptop CPU to many GPUs.
+
+    accelerator = Accelerator(...)                     # DDP / FSDP / DeepSpeed come from `accelerate launch`
+    model, optimizer, data, schedule = accelerator.prepare(...)
+    for each optimizer step:
+        for each micro-batch of the accumulation window:
+            loss = sum of token losses / target tokens in the whole window, all processes   (exact average)
+            backward
+        clip gradients; step; schedule; log; evaluate; checkpoint
+
+A task supplies the model, the datasets, a collate function and how to count target tokens.
+Checkpoints are `accelerator.save_state` folders written beside their final name and renamed into
+place, so an interrupted write never replaces the last good one; SIGTERM and SIGINT save one and stop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import DistributedType, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers.utils import logging
+
+
+logger = logging.get_logger("deriv_lm.training")
+CHECKPOINT = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """What the loop needs to continue exactly where it stopped; saved with every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # target tokens, all processes
+    train_seconds: float = 0.0
+    best_val_loss: float = math.inf
+    history: list = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "train_seconds": self.train_seconds,
+            "best_val_loss": self.best_val_loss,
+            "history": self.history,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class TrainingInterrupted(Exception):
+    """Raised after a checkpoint was saved because the process was asked to stop."""
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear and embedding weights) only; never on biases or LayerNorm."""
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (decay if parameter.dim() >= 2 else no_decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """lr(step) / lr_max: linear from 0 over `warmup_steps`, then cosine down to `min_ratio` at `max_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def choose_mixed_precision(requested: str, cpu: bool) -> str:
+    if requested != "auto":
+        return requested
+    if not cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"  # bf16 on CPUs is emulated on most machines and slower than fp32
+
+
+@dataclass
+class Task:
+    """What a task gives the trainer."""
+
+    model: torch.nn.Module
+    train_dataset: object
+    eval_dataset: object
+    collate: Callable
+    count_targets: Callable[[dict], torch.Tensor]  # target tokens in a batch (what the loss averages over)
+
+
+class Trainer:
+    """Create it first (it owns the Accelerator and seeds every RNG), then build the task, then `train(task)`."""
+
+    def __init__(self, args, cpu: bool = False):
+        self.args = args
+        self.task: Task | None = None
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            mixed_precision=choose_mixed_precision(args.mixed_precision, cpu),
+            log_with="tensorboard" if args.report_to == "tensorboard" else None,
+            project_dir=args.output_dir,
+            # seedable sampler: the shuffled order is a function of (seed, epoch), so resume can replay it
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            cpu=cpu,
+        )
+        set_seed(args.seed)
+        self.state = TrainerState()
+        self._stop_signal = None
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[str]:
+        folder = self.args.checkpoint_dir
+        if not os.path.isdir(folder):
+            return []
+        found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := CHECKPOINT.match(name))]
+        return [os.path.join(folder, name) for _, name in sorted(found)]
+
+    def save_checkpoint(self) -> str:
+        """save_state into a temporary folder, then rename it into place; older ones beyond `keep` are removed."""
+        final = os.path.join(self.args.checkpoint_dir, f"step-{self.state.step:07d}")
+        partial = os.path.join(self.args.checkpoint_dir, f".partial-step-{self.state.step:07d}")
+        accelerator = self.accelerator
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(self.args.checkpoint_dir, exist_ok=True)
+        accelerator.wait_for_everyone()
+        try:
+            accelerator.save_state(partial, safe_serialization=True)
+            if accelerator.is_main_process:
+                with open(os.path.join(partial, "trainer_state.json"), "w") as f:
+                    json.dump(self.state.state_dict(), f)
+        except OSError as error:
+            if accelerator.is_main_process:
+                shutil.rmtree(partial, ignore_errors=True)
+            previous = self.checkpoints()
+            raise OSError(
+                f"Could not write the checkpoint for step {self.state.step} ({error}); "
+                f"the last good checkpoint is untouched: {previous[-1] if previous else 'none yet'}"
+            ) from error
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            for old in self.checkpoints()[: -self.args.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        return final
+
+    def load_checkpoint(self, path: str) -> None:
+        try:
+            self.accelerator.load_state(path)
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise ValueError(
+                f"Cannot resume from {path}: it does not match this model or optimizer ({error}). Resume with "
+                "the arguments the run was started with, or start afresh in another --output-dir."
+            ) from error
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            self.state.load_state_dict(json.load(f))
+
+    @contextmanager
+    def _stop_on_signals(self):
+        """SIGTERM / SIGINT set a flag; the loop saves a checkpoint at the end of the step and stops."""
+
+        def handler(signum, frame):
+            self._stop_signal = signal.Signals(signum).name
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _dataloader(self, dataset, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.args.seed)
+        return DataLoader(
+            dataset,
+            batch_size=self.args.batch_size,
+            shuffle=shuffle,
+            collate_fn=self.task.collate,
+            generator=generator,
+            drop_last=shuffle,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, model, dataloader) -> dict:
+        """Mean token loss and perplexity over the first `eval_batches` validation batches (all processes)."""
+        model.eval()
+        total_loss = torch.zeros((), device=self.accelerator.device)
+        total_tokens = torch.zeros((), device=self.accelerator.device)
+        for i, batch in enumerate(dataloader):
+            if i >= self.args.eval_batches:
+                break
+            targets = self.task.count_targets(batch)
+            loss = model(**batch, num_items_in_batch=targets).loss  # sum over tokens / targets
+            total_loss += loss.float() * targets
+            total_tokens += targets
+        model.train()
+        total_loss = self.accelerator.reduce(total_loss, "sum")
+        total_tokens = self.accelerator.reduce(total_tokens, "sum")
+        val_loss = (total_loss / total_tokens.clamp(min=1)).item()
+        return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+
+    def train(self, task: Task) -> TrainerState:
+        args, accelerator = self.args, self.accelerator
+        self.task = task
+        model = task.model
+        optimizer = torch.optim.AdamW(
+            parameter_groups(model, args.weight_decay), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2)
+        )
+        # The schedule counts optimizer steps; prepare() would step it once per process, so it stays unprepared.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_cosine(args.warmup_steps, args.max_steps, args.min_lr_ratio)
+        )
+        train_dl = self._dataloader(self.task.train_dataset, shuffle=True)
+        eval_dl = self._dataloader(self.task.eval_dataset, shuffle=False)
+        model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+        accelerator.register_for_checkpointing(scheduler, self.state)
+
+        if args.resume:
+            found = self.checkpoints()
+            if found:
+                self.load_checkpoint(found[-1])
+                accelerator.print(f"resumed from {found[-1]} at step {self.state.step}")
+            else:
+                accelerator.print(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 0")
+        if args.report_to != "none":
+            accelerator.init_trackers(
+                "deriv", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+            )
+
+        window = args.gradient_accumulation_steps
+        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        batches_per_epoch = len(train_dl)
+        if batches_per_epoch < window:
+            raise ValueError(
+                f"The training split gives {batches_per_epoch} batch(es) per process, fewer than one accumulation "
+                f"window of {window}; use a smaller --batch-size or a larger corpus."
+            )
+        steps_per_epoch = batches_per_epoch // window
+        metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+        os.makedirs(args.output_dir, exist_ok=True)
+        bar = tqdm(
+            total=args.max_steps,
+            initial=self.state.step,
+            desc="training",
+            unit="step",
+            disable=not (args.progress and accelerator.is_main_process),
+            dynamic_ncols=True,
+        )
+        model.train()
+        tokens_since_log, clock = 0, time.perf_counter()
+        data_wait = compute = 0.0
+
+        with self._stop_on_signals():
+            while self.state.step < args.max_steps:
+                epoch, step_in_epoch = divmod(self.state.step, steps_per_epoch)
+                train_dl.set_epoch(epoch)
+                # subtle: on resume, replay the same shuffled order and skip what was already seen.
+                loader = (
+                    accelerator.skip_first_batches(train_dl, step_in_epoch * window) if step_in_epoch else train_dl
+                )
+                iterator = iter(loader)
+                for _ in range(step_in_epoch, steps_per_epoch):
+                    if self.state.step >= args.max_steps:
+                        break
+                    start = time.perf_counter()
+                    micro_batches = [next(iterator) for _ in range(window)]
+                    data_wait += time.perf_counter() - start
+                    start = time.perf_counter()
+                    # Average over every target token of the window on every process: an exact mean,
+                    # whatever the accumulation, the number of processes and the padding.
+                    local = sum(self.task.count_targets(b) for b in micro_batches)
+                    global_targets = accelerator.reduce(local.detach().clone(), "sum")
+                    loss_sum = torch.zeros((), device=accelerator.device)
+                    for i, batch in enumerate(micro_batches):
+                        last = i == window - 1
+                        # As transformers' Trainer does: the window is fetched ahead (to count its tokens), so
+                        # tell accelerate which micro-batch ends it instead of letting it guess from the loader.
+                        accelerator.gradient_state._set_sync_gradients(last)
+                        with accelerator.no_sync(model) if not last and not deepspeed else nullcontext():
+                            loss = model(**batch, num_items_in_batch=global_targets).loss
+                            loss_sum += loss.detach().float()
+                            # backward divides by `window` and DDP averages over processes: undo both.
+                            accelerator.backward(loss * window * accelerator.num_processes)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    train_loss = accelerator.reduce(loss_sum, "sum").item()
+                    if not math.isfinite(train_loss):
+                        raise NonFiniteLoss(
+                            f"The training loss became {train_loss} at step {self.state.step + 1}; stopping. "
+                            f"The last good checkpoint is {self.checkpoints()[-1] if self.checkpoints() else 'none'}"
+                            "; lower --learning-rate, raise --warmup-steps, or use --pre-norm."
+                        )
+                    compute += time.perf_counter() - start
+                    self.state.step += 1
+                    n_tokens = int(global_targets.item())
+                    self.state.tokens_seen += n_tokens
+                    tokens_since_log += n_tokens
+                    bar.update(1)
+
+                    record = None
+                    if self.state.step % args.log_every == 0 or self.state.step == args.max_steps:
+                        elapsed = time.perf_counter() - clock
+                        self.state.train_seconds += elapsed
+                        record = {
+                            "step": self.state.step,
+                            "tokens_seen": self.state.tokens_seen,
+                            "train_loss": train_loss,
+                            "learning_rate": scheduler.get_last_lr()[0],
+                            "grad_norm": float(grad_norm),
+                            # throughput of the training steps alone (evaluation and saving excluded)
+                            "tokens_per_second": tokens_since_log / max(1e-9, data_wait + compute),
+                            "data_wait_share": data_wait / max(1e-9, data_wait + compute),
+                        }
+                        bar.set_postfix(
+                            loss=f"{train_loss:.3f}",
+                            lr=f"{record['learning_rate']:.1e}",
+                            tok_s=f"{record['tokens_per_second']:.0f}",
+                        )
+                        tokens_since_log, clock, data_wait, compute = 0, time.perf_counter(), 0.0, 0.0
+                    if self.state.step % args.eval_every == 0 or self.state.step == args.max_steps:
+                        evaluation = self.evaluate(model, eval_dl)
+                        self.state.best_val_loss = min(self.state.best_val_loss, evaluation["val_loss"])
+                        record = {
+                            **(record or {"step": self.state.step, "tokens_seen": self.state.tokens_seen}),
+                            **evaluation,
+                        }
+                        accelerator.print(
+                            f"step {self.state.step}: validation loss {evaluation['val_loss']:.4f}, "
+                            f"perplexity {evaluation['val_perplexity']:.2f}"
+                        )
+                    if record is not None:
+                        self.state.history.append(record)
+                        if accelerator.is_main_process:
+                            with open(metrics_path, "a") as f:
+                                f.write(json.dumps(record) + "\n")
+                        if args.report_to != "none":
+                            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=self.state.step)
+                    stop = self._stop_signal is not None
+                    if self.state.step % args.save_every == 0 or stop:
+                        path = self.save_checkpoint()
+                        if stop:
+                            bar.close()
+                            raise TrainingInterrupted(
+                                f"{self._stop_signal} received: saved {path}; continue with --resume"
+                            )
+        bar.close()
+        if args.report_to != "none":
+            accelerator.end_training()
+        self.model = model
+        return self.state
