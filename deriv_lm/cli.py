@@ -10,11 +10,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from .bench import decoder as bench_decoder
     from .bench import tokenizer as bench_tokenizer
+    from .bench import training as bench_training
     from .tokenization import commands as tokenizer_commands
     from .training import commands as training_commands
 
     train = sub.add_parser("train", help="train a model (lm: the decoder language model)")
     training_commands.add_arguments(train)
+    training_commands.add_use_arguments(sub)
 
     tokenizer = sub.add_parser("tokenizer", help="train, show and measure byte-level BPE tokenizers")
     tokenizer_commands.add_arguments(tokenizer)
@@ -26,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_tok = sub.add_parser("bench-tokenizer", help="benchmark the BPE trainers and encoding")
     bench_tokenizer.add_arguments(bench_tok)
     bench_tok.set_defaults(func=bench_tokenizer.run)
+
+    bench_train = sub.add_parser("bench-training", help="training tokens/s and MFU of the presets on this machine")
+    bench_training.add_arguments(bench_train)
+    bench_train.set_defaults(func=bench_training.run)
 
     args = parser.parse_args(argv)
     return args.func(args) or 0

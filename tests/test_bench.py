@@ -63,3 +63,10 @@ def test_tokenizer_bench_prints_every_row_and_checks_equality(capsys):
     assert "merges (in order) equal the library's on the slice: True" in out
     for row in ("library train, whole corpus", "reference heap trainer", "naive recount trainer", "encode, one batch"):
         assert row in out
+
+
+def test_training_bench_runs_a_preset_and_prints_its_row(capsys):
+    assert main(["bench-training", "--presets", "tiny", "--steps", "4", "--log-every", "1"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    assert row and "%" in row[0] and "| 2048 |" in row[0]

@@ -366,3 +366,62 @@ def test_presets_and_bad_arguments(tmp_path):
         parse(["--config", str(bad)])
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         parse(["--config", str(tmp_path / "nope.yaml")])
+
+
+# ---- using the folder ----------------------------------------------------------------------------------
+
+
+def test_sliding_window_perplexity_scores_each_token_once(trained_run):
+    from deriv_lm.training.evaluate import sliding_window_perplexity
+
+    model = AutoModelForCausalLM.from_pretrained(trained_run.output_dir).eval()
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    whole = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    one_window = sliding_window_perplexity(model, ids, window=32, stride=16)
+    assert one_window["tokens"] == 29 and one_window["loss"] == pytest.approx(whole, rel=1e-5)
+    long_ids = ids * 3  # 90 tokens, windows of 32 sliding by 8
+    slid = sliding_window_perplexity(model, long_ids, window=32, stride=8)
+    assert slid["tokens"] == 89
+    with pytest.raises(ValueError, match="stride"):
+        sliding_window_perplexity(model, ids, window=32, stride=0)
+
+
+def test_generate_and_eval_commands(trained_run, corpus_file, capsys):
+    from deriv_lm.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                trained_run.output_dir,
+                "Return the",
+                "--greedy",
+                "--max-new-tokens",
+                "6",
+                "--presence-penalty",
+                "0.5",
+                "--no-stream",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("Return the")
+    assert main(["eval", trained_run.output_dir, "--files", str(corpus_file), "--max-tokens", "300"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("perplexity ") and "window 32, stride 16" in line
+
+
+def test_generate_on_a_folder_that_is_not_a_model(tmp_path):
+    from deriv_lm.cli import main
+
+    with pytest.raises(SystemExit, match="not a model folder"):
+        main(["generate", str(tmp_path), "hi"])
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed_zero2", "multinode", "cpu_two_processes"])
+def test_shipped_accelerate_configs_load(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = os.path.join(os.path.dirname(__file__), "..", "training", "accelerate_configs", f"{name}.yaml")
+    config = load_config_from_file(path)
+    assert config.num_processes >= 2 and config.distributed_type

@@ -1,4 +1,7 @@
-"""The causal language-modelling task: tokenizer -> packed blocks -> Deriv decoder -> trainer core -> exported folder."""
+"""The causal language-modelling task.
+
+tokenizer -> packed blocks -> Deriv decoder -> trainer core -> exported folder.
+"""
 
 from __future__ import annotations
 
@@ -173,6 +176,8 @@ def train_lm(args, cpu: bool = False) -> str:
     state = trainer.train(Task(model, train_ds, val_ds, collate, count_targets))
 
     accelerator.wait_for_everyone()
+    # A collective: under FSDP or DeepSpeed ZeRO-3 the full weights are gathered from every process.
+    state_dict = accelerator.get_state_dict(trainer.model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(trainer.model)
         unwrapped.generation_config = generation_defaults(tokenizer, args.context_length)
@@ -182,7 +187,7 @@ def train_lm(args, cpu: bool = False) -> str:
         )
         record["data"]["train_blocks"], record["data"]["validation_blocks"] = len(train_ds), len(val_ds)
         with atomic_directory(args.output_dir) as tmp:  # the model files appear together or not at all
-            unwrapped.save_pretrained(tmp)
+            unwrapped.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             from deriv_lm.tokenization.bpe import make_portable
 
@@ -193,8 +198,9 @@ def train_lm(args, cpu: bool = False) -> str:
                 accelerator.print("loss.png skipped: pip install matplotlib (or deriv-lm[viz]) to plot the curves")
         show_samples(unwrapped, tokenizer, args)
         metrics = record["metrics"]
+        seconds = record["training"]["wall_seconds"]
         accelerator.print(
-            f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M tokens in {record['training']['wall_seconds']:.0f} s; "
+            f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M tokens in {seconds:.0f} s; "
             f"validation perplexity {metrics['val_perplexity']:.2f}; model folder: {os.path.abspath(args.output_dir)}"
         )
     accelerator.wait_for_everyone()
