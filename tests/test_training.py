@@ -425,3 +425,13 @@ def test_shipped_accelerate_configs_load(name):
     path = os.path.join(os.path.dirname(__file__), "..", "training", "accelerate_configs", f"{name}.yaml")
     config = load_config_from_file(path)
     assert config.num_processes >= 2 and config.distributed_type
+
+
+def test_a_fresh_run_in_a_used_folder_starts_clean(tmp_path, corpus_file):
+    args = tiny_args(tmp_path, corpus_file, max_steps=8, save_every=4, eval_every=1000)
+    train_lm(args, cpu=True)
+    again = TrainingArguments(**{**vars(args), "max_steps": 4})
+    train_lm(again, cpu=True)
+    assert os.listdir(args.checkpoint_dir) == ["step-0000004"]  # not step-8 of the earlier run
+    steps = [json.loads(line)["step"] for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
+    assert steps == [2, 4]

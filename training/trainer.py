@@ -242,13 +242,21 @@ class Trainer:
         model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
         accelerator.register_for_checkpointing(scheduler, self.state)
 
-        if args.resume:
-            found = self.checkpoints()
-            if found:
-                self.load_checkpoint(found[-1])
-                accelerator.print(f"resumed from {found[-1]} at step {self.state.step}")
-            else:
-                accelerator.print(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 0")
+        found = self.checkpoints()
+        if args.resume and found:
+            self.load_checkpoint(found[-1])
+            accelerator.print(f"resumed from {found[-1]} at step {self.state.step}")
+        elif args.resume:
+            accelerator.print(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 0")
+        elif found and accelerator.is_main_process:
+            # A fresh run owns its folder: older checkpoints would be mistaken for its own when resuming.
+            accelerator.print(
+                f"starting afresh: removing {len(found)} checkpoint(s) of an earlier run in "
+                f"{args.checkpoint_dir} (use --resume to continue it)"
+            )
+            for path in found:
+                shutil.rmtree(path)
+        accelerator.wait_for_everyone()
         if args.report_to != "none":
             accelerator.init_trackers(
                 "deriv", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
@@ -265,6 +273,12 @@ class Trainer:
         steps_per_epoch = batches_per_epoch // window
         metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
         os.makedirs(args.output_dir, exist_ok=True)
+        if accelerator.is_main_process and os.path.exists(metrics_path):
+            # Keep what the checkpoint we continue from had logged; drop the rest (or all, on a fresh run).
+            with open(metrics_path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= self.state.step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
         bar = tqdm(
             total=args.max_steps,
             initial=self.state.step,
