@@ -349,7 +349,7 @@ class Trainer:
                             "tokens_seen": self.state.tokens_seen,
                             "train_loss": train_loss,
                             "learning_rate": scheduler.get_last_lr()[0],
-                            "grad_norm": float(grad_norm),
+                            "grad_norm": None if grad_norm is None else float(grad_norm),  # None under DeepSpeed
                             # throughput of the training steps alone (evaluation and saving excluded)
                             "tokens_per_second": tokens_since_log / max(1e-9, data_wait + compute),
                             "data_wait_share": data_wait / max(1e-9, data_wait + compute),
