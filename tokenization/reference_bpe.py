@@ -53,26 +53,36 @@ def bytes_to_unicode() -> dict[int, str]:
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
 
 
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    """The inverse of `bytes_to_unicode`: 'Ġ' -> 32."""
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+def spell(piece: str) -> str:
+    """A piece of text in byte symbols: ' world' -> 'Ġworld'."""
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in piece.encode("utf-8"))
+
+
 def pretokenize(text: str) -> list[str]:
     """Split text the way the ByteLevel pre-tokenizer does, each piece spelled in byte symbols.
 
     >>> pretokenize("Hello world!")
     ['Hello', 'Ġworld', '!']
     """
-    table = bytes_to_unicode()
-    return ["".join(table[b] for b in piece.encode("utf-8")) for piece in GPT2_SPLIT.findall(text)]
+    return [spell(piece) for piece in GPT2_SPLIT.findall(text)]
 
 
 def word_counts(texts: Iterable[str]) -> Counter[str]:
     """How often each distinct pre-tokenized word occurs: the only statistics BPE needs."""
     counts: Counter[str] = Counter()
-    table = bytes_to_unicode()
     for text in texts:
         counts.update(GPT2_SPLIT.findall(text))
     # Spell each distinct piece in byte symbols once, not once per occurrence.
     spelled: Counter[str] = Counter()
     for piece, n in counts.items():
-        spelled["".join(table[b] for b in piece.encode("utf-8"))] += n
+        spelled[spell(piece)] += n
     return spelled
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from .reference_bpe import bytes_to_unicode
+from .reference_bpe import unicode_to_bytes
 
 
 def _token_bytes(token: str) -> bytes:
     """The bytes a byte-level token stands for ('Ġthe' -> b' the'); special tokens stand for their own text."""
-    decode = {ch: b for b, ch in bytes_to_unicode().items()}
+    decode = unicode_to_bytes()
     if all(ch in decode for ch in token):
         return bytes(decode[ch] for ch in token)
     return token.encode("utf-8")
