@@ -435,3 +435,16 @@ def test_a_fresh_run_in_a_used_folder_starts_clean(tmp_path, corpus_file):
     assert os.listdir(args.checkpoint_dir) == ["step-0000004"]  # not step-8 of the earlier run
     steps = [json.loads(line)["step"] for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
     assert steps == [2, 4]
+
+
+def test_a_changed_file_is_not_served_from_the_cache(tmp_path):
+    from deriv_lm.tokenization import local_corpus
+    from deriv_lm.training.data import documents_dataset
+
+    path = tmp_path / "notes.txt"
+    path.write_text("first version")
+    glob_pattern = str(tmp_path / "*.txt")  # a glob, expanded by the corpus
+    cache = str(tmp_path / "cache")
+    assert documents_dataset(local_corpus(glob_pattern), None, cache)["text"] == ["first version"]
+    path.write_text("second version, longer")
+    assert documents_dataset(local_corpus(glob_pattern), None, cache)["text"] == ["second version, longer"]

@@ -44,6 +44,7 @@ class Corpus:
 
     description: str
     documents: Callable[[], Iterator[str]]
+    files: tuple[str, ...] = ()  # the local files it reads, if any (what a cache must watch)
 
     def __iter__(self) -> Iterator[str]:
         return self.documents()
@@ -163,7 +164,7 @@ def local_corpus(paths: str | list[str], text_column: str = "text") -> Corpus:
         for path in files:
             yield from _read_text_file(path) if path.endswith(".txt") else _table_column(path, text_column)
 
-    return Corpus(f"local: {len(files)} file(s) from {paths}", documents)
+    return Corpus(f"local: {len(files)} file(s) from {paths}", documents, tuple(files))
 
 
 def hub_corpus(

@@ -26,20 +26,16 @@ def _documents(corpus: Corpus, max_documents: int | None) -> Iterator[dict]:
         yield {"text": text}
 
 
-def _corpus_key(corpus: Corpus, files: list[str]) -> str:
-    """What identifies the corpus's contents for the cache: its description and the files' sizes and times."""
+def _corpus_key(corpus: Corpus) -> str:
+    """What identifies the corpus's contents for the cache: its description and its files' sizes and times."""
     stamp = [corpus.description]
-    for path in files:
-        for root, _, names in os.walk(path) if os.path.isdir(path) else [("", [], [path])]:
-            for name in sorted(names):
-                full = os.path.join(root, name)
-                if os.path.exists(full):
-                    info = os.stat(full)
-                    stamp.append(f"{full}:{info.st_size}:{info.st_mtime_ns}")
+    for path in corpus.files:
+        info = os.stat(path)
+        stamp.append(f"{path}:{info.st_size}:{info.st_mtime_ns}")
     return hashlib.sha256("\n".join(stamp).encode()).hexdigest()
 
 
-def documents_dataset(corpus: Corpus, files: list[str], max_documents: int | None, cache_dir: str | None):
+def documents_dataset(corpus: Corpus, max_documents: int | None, cache_dir: str | None):
     """The corpus as a `datasets.Dataset` with one `text` column, cached by the corpus's identity."""
     dataset = datasets.Dataset.from_generator(
         _documents,
@@ -47,7 +43,7 @@ def documents_dataset(corpus: Corpus, files: list[str], max_documents: int | Non
         cache_dir=cache_dir,
         # subtle: from_generator fingerprints the generator's code and arguments; the key below makes
         # a changed file or another Python's default corpus a different dataset, not a stale cache hit.
-        config_name=_corpus_key(corpus, files)[:16],
+        config_name=_corpus_key(corpus)[:16],
     )
     if len(dataset) == 0:
         raise ValueError(f"The corpus is empty ({corpus.description}).")
@@ -84,7 +80,7 @@ def tokenize_and_pack(documents, tokenizer, context_length: int, num_proc: int |
 
 def lm_datasets(corpus: Corpus, tokenizer, args) -> tuple:
     """(train, validation) datasets of `input_ids` blocks, split by document before packing."""
-    documents = documents_dataset(corpus, args.files, args.max_documents, args.cache_dir)
+    documents = documents_dataset(corpus, args.max_documents, args.cache_dir)
     if len(documents) < 2:
         raise ValueError(
             f"The corpus has {len(documents)} document; at least 2 are needed to hold out a validation split."
