@@ -114,7 +114,7 @@ def plot_losses(history: list[dict], path: str) -> bool:
     return True
 
 
-def run_record(args, corpus, tokenizer, model, state, chars_per_token, accelerator, seconds) -> dict:
+def run_record(args, corpus, blocks, tokenizer, model, state, chars_per_token, accelerator, seconds) -> dict:
     import accelerate
     import datasets
     import tokenizers
@@ -124,7 +124,12 @@ def run_record(args, corpus, tokenizer, model, state, chars_per_token, accelerat
     return {
         "task": "causal-lm",
         "arguments": {k: v for k, v in vars(args).items()},
-        "data": {"corpus": corpus.description, "train_blocks": None, "context_length": args.context_length},
+        "data": {
+            "corpus": corpus.description,
+            "train_blocks": blocks[0],
+            "validation_blocks": blocks[1],
+            "context_length": args.context_length,
+        },
         "tokenizer": {
             "vocab_size": len(tokenizer),
             "characters_per_token": chars_per_token,
@@ -182,10 +187,9 @@ def train_lm(args, cpu: bool = False) -> str:
         unwrapped = accelerator.unwrap_model(trainer.model)
         unwrapped.generation_config = generation_defaults(tokenizer, args.context_length)
         ratio = characters_per_token(tokenizer, [t for _, t in zip(range(300), corpus, strict=False)])
-        record = run_record(
-            args, corpus, tokenizer, unwrapped, state, ratio, accelerator, time.perf_counter() - started
-        )
-        record["data"]["train_blocks"], record["data"]["validation_blocks"] = len(train_ds), len(val_ds)
+        blocks = (len(train_ds), len(val_ds))
+        seconds = time.perf_counter() - started
+        record = run_record(args, corpus, blocks, tokenizer, unwrapped, state, ratio, accelerator, seconds)
         with atomic_directory(args.output_dir) as tmp:  # the model files appear together or not at all
             unwrapped.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)

@@ -328,9 +328,10 @@ class Trainer:
                     scheduler.step()
                     train_loss = accelerator.reduce(loss_sum, "sum").item()
                     if not math.isfinite(train_loss):
+                        last_good = (self.checkpoints() or ["none"])[-1]
                         raise NonFiniteLoss(
                             f"The training loss became {train_loss} at step {self.state.step + 1}; stopping. "
-                            f"The last good checkpoint is {self.checkpoints()[-1] if self.checkpoints() else 'none'}"
+                            f"The last good checkpoint is {last_good}"
                             "; lower --learning-rate, raise --warmup-steps, or use --pre-norm."
                         )
                     compute += time.perf_counter() - start
