@@ -202,7 +202,6 @@ def train_lm(args, cpu: bool = False) -> str:
                 accelerator.print("loss.png skipped: pip install matplotlib (or deriv-lm[viz]) to plot the curves")
         show_samples(unwrapped, tokenizer, args)
         metrics = record["metrics"]
-        seconds = record["training"]["wall_seconds"]
         accelerator.print(
             f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M tokens in {seconds:.0f} s; "
             f"validation perplexity {metrics['val_perplexity']:.2f}; model folder: {os.path.abspath(args.output_dir)}"
