@@ -1,17 +1,21 @@
 """Deriv: the autoregressive transformer derived from first principles, as a native Hugging Face model.
 
-    from deriv_lm import DerivConfig, DerivForCausalLM
+    from deriv_lm import DerivConfig, DerivForCausalLM                          # the decoder-only LM
+    from deriv_lm import DerivSeq2SeqConfig, DerivForConditionalGeneration     # the translation model
 
 The sub-packages are the rooms of the design card: `deriv_lm.modeling_deriv` (the models),
-`deriv_lm.bench` (benchmarks against the Hugging Face peers); tokenization, training and the
-Hub card arrive as `deriv_lm.tokenization`, `deriv_lm.training` and `deriv_lm.hub_card`.
+`deriv_lm.tokenization` (corpora and BPE), `deriv_lm.training` (the trainer and its tasks) and
+`deriv_lm.bench` (benchmarks against the Hugging Face peers).
 """
 
 from .modeling_deriv import (
     DerivConfig,
     DerivForCausalLM,
+    DerivForConditionalGeneration,
     DerivModel,
     DerivPreTrainedModel,
+    DerivSeq2SeqConfig,
+    DerivSeq2SeqModel,
     FrequencyPenaltyLogitsProcessor,
     PresencePenaltyLogitsProcessor,
 )
@@ -24,6 +28,9 @@ __all__ = [
     "DerivPreTrainedModel",
     "DerivModel",
     "DerivForCausalLM",
+    "DerivSeq2SeqConfig",
+    "DerivSeq2SeqModel",
+    "DerivForConditionalGeneration",
     "PresencePenaltyLogitsProcessor",
     "FrequencyPenaltyLogitsProcessor",
 ]

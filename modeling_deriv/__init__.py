@@ -5,26 +5,51 @@ classes so that `save_pretrained` copies their code into the saved folder (`auto
 that folder need only `trust_remote_code=True`, not this package.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers.pipelines import PIPELINE_REGISTRY
 
-from .configuration_deriv import DerivConfig
+from .configuration_deriv import DerivConfig, DerivSeq2SeqConfig
 from .logits_process import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
 from .modeling_deriv import DerivForCausalLM, DerivModel, DerivPreTrainedModel
+from .modeling_deriv_seq2seq import (
+    DerivForConditionalGeneration,
+    DerivSeq2SeqModel,
+    DerivSeq2SeqPreTrainedModel,
+    shift_tokens_right,
+)
+from .pipeline_deriv import TASK as TRANSLATION_TASK
+from .pipeline_deriv import DerivTranslationPipeline
 
 
 AutoConfig.register(DerivConfig.model_type, DerivConfig, exist_ok=True)
 AutoModel.register(DerivConfig, DerivModel, exist_ok=True)
 AutoModelForCausalLM.register(DerivConfig, DerivForCausalLM, exist_ok=True)
+AutoConfig.register(DerivSeq2SeqConfig.model_type, DerivSeq2SeqConfig, exist_ok=True)
+AutoModel.register(DerivSeq2SeqConfig, DerivSeq2SeqModel, exist_ok=True)
+AutoModelForSeq2SeqLM.register(DerivSeq2SeqConfig, DerivForConditionalGeneration, exist_ok=True)
 
 DerivConfig.register_for_auto_class()
 DerivModel.register_for_auto_class("AutoModel")
 DerivForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+DerivSeq2SeqConfig.register_for_auto_class()
+DerivSeq2SeqModel.register_for_auto_class("AutoModel")
+DerivForConditionalGeneration.register_for_auto_class("AutoModelForSeq2SeqLM")
+PIPELINE_REGISTRY.register_pipeline(
+    TRANSLATION_TASK, pipeline_class=DerivTranslationPipeline, pt_model=AutoModelForSeq2SeqLM
+)
 
 __all__ = [
     "DerivConfig",
     "DerivPreTrainedModel",
     "DerivModel",
     "DerivForCausalLM",
+    "DerivSeq2SeqConfig",
+    "DerivSeq2SeqPreTrainedModel",
+    "DerivSeq2SeqModel",
+    "DerivForConditionalGeneration",
+    "shift_tokens_right",
+    "DerivTranslationPipeline",
+    "TRANSLATION_TASK",
     "PresencePenaltyLogitsProcessor",
     "FrequencyPenaltyLogitsProcessor",
 ]

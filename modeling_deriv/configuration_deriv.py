@@ -26,6 +26,20 @@ def _check_probability(config, *names):
             raise ValueError(f"`{name}` is a dropout probability and must lie in [0, 1), got {value!r}.")
 
 
+def _check_common(config):
+    """The checks both configs share: activation, positions, dropout, LayerNorm epsilon."""
+    if config.hidden_act not in HIDDEN_ACTS:
+        raise ValueError(f"`hidden_act` must be one of {HIDDEN_ACTS}, got {config.hidden_act!r}.")
+    if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        raise ValueError(
+            f"`position_embedding_type` must be one of {POSITION_EMBEDDING_TYPES}, "
+            f"got {config.position_embedding_type!r}."
+        )
+    _check_probability(config, "dropout", "attention_dropout")
+    if not config.layer_norm_eps > 0:
+        raise ValueError(f"`layer_norm_eps` must be positive, got {config.layer_norm_eps!r}.")
+
+
 @strict
 class DerivConfig(PreTrainedConfig):
     r"""Shape and hyperparameters of [`DerivForCausalLM`].
@@ -84,16 +98,87 @@ class DerivConfig(PreTrainedConfig):
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads}): each head gets hidden_size / num_attention_heads dimensions."
             )
-        if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"`hidden_act` must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}.")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        _check_common(self)
+
+
+@strict
+class DerivSeq2SeqConfig(PreTrainedConfig):
+    r"""Shape and hyperparameters of [`DerivForConditionalGeneration`], the paper's encoder-decoder.
+
+    One vocabulary serves source and target (§3.4: the encoder embedding, the decoder embedding and
+    the output projection share one matrix). The fields the decoder-only model has keep their
+    meaning; the layer and head counts are per side, under the library's names.
+
+    Example:
+    ```python
+    >>> from deriv_lm import DerivSeq2SeqConfig, DerivForConditionalGeneration
+    >>> config = DerivSeq2SeqConfig(vocab_size=256, hidden_size=64, encoder_layers=2, decoder_layers=2,
+    ...                             encoder_attention_heads=4, decoder_attention_heads=4,
+    ...                             intermediate_size=128, max_position_embeddings=64)
+    >>> model = DerivForConditionalGeneration(config)
+    ```
+    """
+
+    model_type = "deriv_seq2seq"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # subtle: caches and `get_text_config(decoder=True)` read num_hidden_layers / num_attention_heads;
+    # for the decoder's side the library rewrites decoder_* into the attributes these map to (as for BART).
+    attribute_map = {
+        "num_hidden_layers": "encoder_layers",
+        "num_attention_heads": "encoder_attention_heads",
+        "d_model": "hidden_size",
+        "n_positions": "max_position_embeddings",
+    }
+
+    vocab_size: int = 8192  # shared by source and target
+    hidden_size: int = 512  # d_model
+    encoder_layers: int = 6  # N on the encoder side
+    decoder_layers: int = 6  # N on the decoder side
+    encoder_attention_heads: int = 8
+    decoder_attention_heads: int = 8  # self- and cross-attention of the decoder
+    intermediate_size: int = 2048  # d_ff, both sides
+    hidden_act: str = "relu"
+    max_position_embeddings: int = 256  # longest source, and longest target, the model accepts
+    position_embedding_type: str = "sinusoidal"
+    pre_norm: bool = False
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    tie_word_embeddings: bool = True  # encoder embedding = decoder embedding = output projection^T
+    is_encoder_decoder: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    decoder_start_token_id: int | None = 1  # the first decoder input: <bos>
+
+    def validate_architecture(self):
+        """Reject impossible shapes at construction, naming the field (run by `@strict`)."""
+        _check_positive(
+            self,
+            "vocab_size",
+            "hidden_size",
+            "encoder_layers",
+            "decoder_layers",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        )
+        for side in ("encoder", "decoder"):
+            heads = getattr(self, f"{side}_attention_heads")
+            if self.hidden_size % heads != 0:
+                raise ValueError(
+                    f"`hidden_size` ({self.hidden_size}) must be divisible by `{side}_attention_heads` ({heads}): "
+                    f"each head gets hidden_size / {side}_attention_heads dimensions."
+                )
+        _check_common(self)
+        if self.decoder_start_token_id is None or not 0 <= self.decoder_start_token_id < self.vocab_size:
             raise ValueError(
-                f"`position_embedding_type` must be one of {POSITION_EMBEDDING_TYPES}, "
-                f"got {self.position_embedding_type!r}."
+                f"`decoder_start_token_id` must be a token id in [0, {self.vocab_size}), "
+                f"got {self.decoder_start_token_id!r}."
             )
-        _check_probability(self, "dropout", "attention_dropout")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
 
 
-__all__ = ["DerivConfig"]
+__all__ = ["DerivConfig", "DerivSeq2SeqConfig"]

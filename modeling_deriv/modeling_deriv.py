@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -113,14 +113,17 @@ class DerivAttention(nn.Module):
     The h projections of each kind are one (d, d) linear map, split into heads by a reshape.
     """
 
-    def __init__(self, config: DerivConfig, layer_idx: int):
+    def __init__(self, config: DerivConfig, layer_idx: int, num_heads: int | None = None, is_causal: bool = True):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx  # which slot of the KV cache is this layer's
-        self.head_dim = config.hidden_size // config.num_attention_heads  # d_k = d_v = d / h
+        self.num_heads = num_heads or config.num_attention_heads  # h (the encoder and decoder may differ)
+        self.head_dim = config.hidden_size // self.num_heads  # d_k = d_v = d / h
         self.scaling = self.head_dim**-0.5  # 1 / sqrt(d_k)
         self.attention_dropout = config.attention_dropout
-        self.is_causal = True  # read by the sdpa / flash kernels when no explicit mask is needed
+        # Read by the sdpa / flash kernels when no explicit mask is needed: True for the decoder's mask M,
+        # False for the encoder (every source token sees every other) and for cross-attention.
+        self.is_causal = is_causal
         self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
@@ -131,18 +134,38 @@ class DerivAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        key_value_states: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Self-attention over `hidden_states`, or cross-attention from them to `key_value_states` (the
+        encoder output, §3.2.3): queries come from the decoder, keys and values from the source."""
         input_shape = hidden_states.shape[:-1]  # (B, T)
         hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, h, d_k)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, T, d_k)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        if past_key_values is not None:
-            # The KV cache: keys and values of earlier positions never change under a causal mask,
-            # so each step computes only the new ones and attends over all.  -> (B, h, S, d_k)
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        is_cross_attention = key_value_states is not None
+        cache = past_key_values
+        if isinstance(past_key_values, EncoderDecoderCache):
+            cache = (
+                past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
+            )
+        elif is_cross_attention:
+            cache = None  # cross-attention keys and values are kept only in an EncoderDecoderCache
+        if is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            # The source does not change while the target grows: its keys and values were computed at
+            # the first step and are reused at every later one.
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            source = key_value_states if is_cross_attention else hidden_states
+            source_shape = (*source.shape[:-1], -1, self.head_dim)  # (B, S, h, d_k)
+            key = self.k_proj(source).view(source_shape).transpose(1, 2)  # (B, h, S, d_k)
+            value = self.v_proj(source).view(source_shape).transpose(1, 2)
+            if cache is not None:
+                # The KV cache: keys and values of earlier positions never change under a causal mask,
+                # so each step computes only the new ones and attends over all.  -> (B, h, S, d_k)
+                key, value = cache.update(key, value, self.layer_idx)
+                if is_cross_attention:
+                    past_key_values.is_updated[self.layer_idx] = True
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -181,14 +204,20 @@ class DerivDecoderLayer(GradientCheckpointingLayer):
     pre-LN  (`pre_norm=True`):       x = x + Dropout(Sublayer(LayerNorm(x)))
     """
 
-    def __init__(self, config: DerivConfig, layer_idx: int):
+    def __init__(self, config: DerivConfig, layer_idx: int, num_heads: int | None = None, is_causal: bool = True):
         super().__init__()
         self.pre_norm = config.pre_norm
-        self.self_attn = DerivAttention(config, layer_idx)
+        self.self_attn = DerivAttention(config, layer_idx, num_heads=num_heads, is_causal=is_causal)
         self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = DerivMLP(config)
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
+
+    def residual(self, hidden_states: torch.Tensor, norm: nn.LayerNorm, sublayer: Callable) -> torch.Tensor:
+        """One sub-layer with its dropout, residual connection and LayerNorm, post-LN or pre-LN."""
+        if self.pre_norm:
+            return hidden_states + self.dropout(sublayer(norm(hidden_states)))
+        return norm(hidden_states + self.dropout(sublayer(hidden_states)))
 
     def forward(
         self,
@@ -197,17 +226,12 @@ class DerivDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        if self.pre_norm:
-            attn_output, _ = self.self_attn(
-                self.self_attn_layer_norm(hidden_states), attention_mask, past_key_values, **kwargs
-            )
-            hidden_states = hidden_states + self.dropout(attn_output)
-            hidden_states = hidden_states + self.dropout(self.mlp(self.final_layer_norm(hidden_states)))
-        else:
-            attn_output, _ = self.self_attn(hidden_states, attention_mask, past_key_values, **kwargs)
-            hidden_states = self.self_attn_layer_norm(hidden_states + self.dropout(attn_output))
-            hidden_states = self.final_layer_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
-        return hidden_states
+        hidden_states = self.residual(
+            hidden_states,
+            self.self_attn_layer_norm,
+            lambda x: self.self_attn(x, attention_mask, past_key_values, **kwargs)[0],
+        )
+        return self.residual(hidden_states, self.final_layer_norm, self.mlp)
 
 
 class DerivPreTrainedModel(PreTrainedModel):

@@ -1,0 +1,392 @@
+"""The Deriv encoder-decoder: the transformer of Vaswani et al. 2017 as the paper built it, for translation.
+
+    encoder:  z = Encoder(x)                   every source token attends to every other (no mask)
+    decoder:  p(y_t | y_<t, x) = softmax(Decoder(y_<t, z) W_E^T)
+              each decoder block: masked self-attention -> cross-attention to z -> feed-forward
+
+The parts are the decoder-only model's (`modeling_deriv.py`): the scaled embedding, the sinusoid, the
+attention (with its cross-attention path), the feed-forward network and the residual + LayerNorm
+wrapper; this file only assembles them. One embedding matrix serves the encoder input, the decoder
+input and the output projection (§3.4), so source and target share one vocabulary.
+"""
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_deriv import DerivSeq2SeqConfig
+from .modeling_deriv import (
+    DerivAttention,
+    DerivDecoderLayer,
+    DerivPreTrainedModel,
+    DerivScaledWordEmbedding,
+    DerivSinusoidalPositionalEmbedding,
+    check_inputs,
+)
+
+
+def shift_tokens_right(labels: torch.LongTensor, pad_token_id: int, decoder_start_token_id: int) -> torch.LongTensor:
+    """Teacher forcing: the decoder reads [start, y_1, ..., y_{T-1}] and is trained to write [y_1, ..., y_T].
+
+    Ignored label positions (-100) become padding; they lie after the target's <eos>, where the causal
+    mask keeps them from influencing any real position.
+    """
+    decoder_input_ids = labels.new_empty(labels.shape)
+    decoder_input_ids[:, 1:] = labels[:, :-1]
+    decoder_input_ids[:, 0] = decoder_start_token_id
+    return decoder_input_ids.masked_fill_(decoder_input_ids == -100, pad_token_id)
+
+
+class DerivEncoderLayer(DerivDecoderLayer):
+    """The encoder block (§3.1): the decoder-only block's two sub-layers, self-attention unmasked."""
+
+    def __init__(self, config: DerivSeq2SeqConfig, layer_idx: int):
+        super().__init__(config, layer_idx, num_heads=config.encoder_attention_heads, is_causal=False)
+
+
+class DerivSeq2SeqDecoderLayer(DerivDecoderLayer):
+    """The decoder block (§3.1): masked self-attention, cross-attention to the encoder output, feed-forward."""
+
+    def __init__(self, config: DerivSeq2SeqConfig, layer_idx: int):
+        super().__init__(config, layer_idx, num_heads=config.decoder_attention_heads, is_causal=True)
+        # Queries from the target, keys and values from the source (§3.2.3): no mask beyond source padding.
+        self.encoder_attn = DerivAttention(
+            config, layer_idx, num_heads=config.decoder_attention_heads, is_causal=False
+        )
+        self.encoder_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,  # positional, for gradient checkpointing
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        hidden_states = self.residual(
+            hidden_states,
+            self.self_attn_layer_norm,
+            lambda x: self.self_attn(x, attention_mask, past_key_values, **kwargs)[0],
+        )
+        hidden_states = self.residual(
+            hidden_states,
+            self.encoder_attn_layer_norm,
+            lambda x: self.encoder_attn(
+                x, encoder_attention_mask, past_key_values, key_value_states=encoder_hidden_states, **kwargs
+            )[0],
+        )
+        return self.residual(hidden_states, self.final_layer_norm, self.mlp)
+
+
+class DerivSeq2SeqPreTrainedModel(DerivPreTrainedModel):
+    config: DerivSeq2SeqConfig
+    _no_split_modules = ["DerivEncoderLayer", "DerivSeq2SeqDecoderLayer"]
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # The decoder-only base names DerivModel as the folder's AutoModel; here it is the bare encoder-decoder.
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        auto_map.setdefault("AutoModel", f"{__name__.rsplit('.', 1)[-1]}.{DerivSeq2SeqModel.__name__}")
+        self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def _embed(module, input_ids, inputs_embeds, past_seen: int, position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dropout(sqrt(d) E[tokens] + PE[positions]) for one side; positions continue after the cache."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds` (decoder: `decoder_input_ids` ...).")
+    seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+    check_inputs(input_ids, past_seen, seq_len, module.config)
+    if inputs_embeds is None:
+        inputs_embeds = module.embed_tokens(input_ids)
+    if position_ids is None:
+        position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_seen).unsqueeze(0)
+    return inputs_embeds, module.dropout(inputs_embeds + module.embed_positions(position_ids))
+
+
+def _positions(config) -> nn.Module:
+    if config.position_embedding_type == "learned":
+        return nn.Embedding(config.max_position_embeddings, config.hidden_size)
+    return DerivSinusoidalPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+
+
+class DerivEncoder(DerivSeq2SeqPreTrainedModel):
+    """z = Block_N(... Block_1(sqrt(d) E[x] + PE)): the source read all at once, padding masked out."""
+
+    _can_record_outputs = {"hidden_states": DerivEncoderLayer, "attentions": DerivAttention}
+
+    def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None = None):
+        super().__init__(config)
+        self.embed_tokens = (
+            embed_tokens
+            if embed_tokens is not None
+            else DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
+        )
+        self.embed_positions = _positions(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([DerivEncoderLayer(config, i) for i in range(config.encoder_layers)])
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        position_ids = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # Count positions over real tokens only, so a left-padded source reads exactly as a right-padded one.
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        inputs_embeds, hidden_states = _embed(self, input_ids, inputs_embeds, 0, position_ids)
+        # Padding mask only: a source token may attend to every real source token, before or after it.
+        mask = create_bidirectional_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, mask, **kwargs)
+        return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
+
+
+class DerivDecoder(DerivSeq2SeqPreTrainedModel):
+    """The target side: masked self-attention over y_<t, cross-attention to z, feed-forward; N blocks."""
+
+    _can_record_outputs = {
+        "hidden_states": DerivSeq2SeqDecoderLayer,
+        "attentions": OutputRecorder(DerivAttention, index=1, layer_name="self_attn"),
+        "cross_attentions": OutputRecorder(DerivAttention, index=1, layer_name="encoder_attn"),
+    }
+
+    def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None = None):
+        super().__init__(config)
+        self.embed_tokens = (
+            embed_tokens
+            if embed_tokens is not None
+            else DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
+        )
+        self.embed_positions = _positions(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([DerivSeq2SeqDecoderLayer(config, i) for i in range(config.decoder_layers)])
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        if encoder_hidden_states is None:
+            raise ValueError("The decoder attends to the encoder: pass `encoder_hidden_states`.")
+        if use_cache and past_key_values is None:
+            # Two caches: the target's own keys/values grow by one per step; the source's are filled once.
+            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        self_cache = (
+            past_key_values.self_attention_cache
+            if isinstance(past_key_values, EncoderDecoderCache)
+            else past_key_values
+        )
+        past_seen = self_cache.get_seq_length() if self_cache is not None else 0
+        inputs_embeds, hidden_states = _embed(self, input_ids, inputs_embeds, past_seen)
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=self_cache,
+        )
+        cross_mask = create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                causal_mask,
+                encoder_hidden_states,
+                encoder_attention_mask=cross_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values
+        )
+
+
+class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
+    """Encoder and decoder around one shared embedding matrix; returns the decoder's last hidden states."""
+
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
+
+    def __init__(self, config: DerivSeq2SeqConfig):
+        super().__init__(config)
+        self.shared = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
+        self.encoder = DerivEncoder(config, self.shared)
+        self.decoder = DerivDecoder(config, self.shared)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.shared
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        if encoder_outputs is None:
+            # generate() runs the encoder once and passes its output at every step instead.
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError("Pass `decoder_input_ids` or `labels` (shifted right into decoder inputs).")
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin):
+    """p(y_t | y_<t, x) = softmax(Decoder(y_<t, Encoder(x)) W_E^T): the translation model (§3.4 ties W_E)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+
+    def __init__(self, config: DerivSeq2SeqConfig):
+        super().__init__(config)
+        self.model = DerivSeq2SeqModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.LongTensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> Seq2SeqLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            The target tokens, ending in <eos>, -100 where ignored (padding). When `decoder_input_ids` are
+            not given they are these labels shifted right once, behind `decoder_start_token_id`; position t
+            of the logits is then scored against label t, with no further shift.
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*):
+            Divide the summed token loss by this count instead of averaging over this batch's labels
+            (the trainer passes the target tokens of a whole accumulation window).
+        """
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        outputs: Seq2SeqModelOutput = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
+
+        loss = None
+        if labels is not None:
+            # subtle: not self.loss_function, which would pick the causal-LM loss for this class name and
+            # shift the labels a second time. Labels and logits are already aligned.
+            token_losses = nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), labels.to(logits.device).flatten(), ignore_index=-100, reduction="sum"
+            )
+            count = num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum()
+            loss = token_losses / count
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+
+
+__all__ = [
+    "DerivSeq2SeqPreTrainedModel",
+    "DerivEncoder",
+    "DerivDecoder",
+    "DerivSeq2SeqModel",
+    "DerivForConditionalGeneration",
+    "shift_tokens_right",
+]
