@@ -167,14 +167,12 @@ def local_corpus(paths: str | list[str], text_column: str = "text") -> Corpus:
     return Corpus(f"local: {len(files)} file(s) from {paths}", documents, tuple(files))
 
 
-def hub_corpus(
-    name: str, config: str | None = None, split: str = "train", text_column: str = "text", streaming: bool = False
-) -> Corpus:
-    """A `datasets` dataset by name (from the Hub or its local cache), one document per row of `text_column`."""
+def load_hub_dataset(name: str, config: str | None, split: str, streaming: bool = False):
+    """`datasets.load_dataset`, with an error that says what failed and what to do instead."""
     import datasets
 
     try:
-        dataset = datasets.load_dataset(name, config, split=split, streaming=streaming)
+        return datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as error:
         from huggingface_hub import constants
 
@@ -188,6 +186,13 @@ def hub_corpus(
             f"Cannot load the dataset {name!r} (config {config!r}, split {split!r}): {error}. {hint}; pass local "
             "files instead (--files), or run without a dataset to use the embedded default corpus."
         ) from error
+
+
+def hub_corpus(
+    name: str, config: str | None = None, split: str = "train", text_column: str = "text", streaming: bool = False
+) -> Corpus:
+    """A `datasets` dataset by name (from the Hub or its local cache), one document per row of `text_column`."""
+    dataset = load_hub_dataset(name, config, split, streaming)
     columns = list(dataset.column_names or [])
     if columns and text_column not in columns:
         raise KeyError(f"Dataset {name!r} has no column {text_column!r}; the columns are {columns}")
