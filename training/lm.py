@@ -5,9 +5,7 @@ tokenizer -> packed blocks -> Deriv decoder -> trainer core -> exported folder.
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import time
 
 import torch
@@ -15,9 +13,9 @@ import torch
 from deriv_lm.modeling_deriv import DerivConfig, DerivForCausalLM
 from deriv_lm.tokenization.bpe import save_tokenizer, special_tokens_with, train_bpe
 from deriv_lm.tokenization.commands import characters_per_token, corpus_from_args
-from deriv_lm.tokenization.files import atomic_directory
 
 from .data import lm_datasets
+from .export import export_folder, run_record
 from .trainer import Task, Trainer
 
 
@@ -88,81 +86,6 @@ def generation_defaults(tokenizer, context_length: int):
     )
 
 
-def plot_losses(history: list[dict], path: str) -> bool:
-    """Training and validation loss against tokens seen, as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    train = [(r["tokens_seen"], r["train_loss"]) for r in history if "train_loss" in r]
-    val = [(r["tokens_seen"], r["val_loss"]) for r in history if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="training loss", linewidth=1)
-    if val:
-        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("cross-entropy (nats per token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-
-def run_record(args, corpus, blocks, tokenizer, model, state, chars_per_token, accelerator, seconds) -> dict:
-    import accelerate
-    import datasets
-    import tokenizers
-    import transformers
-
-    final = next((r for r in reversed(state.history) if "val_loss" in r), {})
-    return {
-        "task": "causal-lm",
-        "arguments": {k: v for k, v in vars(args).items()},
-        "data": {
-            "corpus": corpus.description,
-            "train_blocks": blocks[0],
-            "validation_blocks": blocks[1],
-            "context_length": args.context_length,
-        },
-        "tokenizer": {
-            "vocab_size": len(tokenizer),
-            "characters_per_token": chars_per_token,
-            "special_tokens": tokenizer.all_special_tokens,
-        },
-        "model": {"parameters": sum(p.numel() for p in model.parameters()), "config": model.config.to_diff_dict()},
-        "training": {
-            "steps": state.step,
-            "tokens_seen": state.tokens_seen,
-            "train_seconds": state.train_seconds,
-            "wall_seconds": seconds,
-        },
-        "hardware": {
-            "device": str(accelerator.device),
-            "processes": accelerator.num_processes,
-            "mixed_precision": accelerator.mixed_precision,
-            "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__,
-            "datasets": datasets.__version__,
-            "tokenizers": tokenizers.__version__,
-        },
-        "metrics": {"val_loss": final.get("val_loss"), "val_perplexity": final.get("val_perplexity")},
-    }
-
-
 def train_lm(args, cpu: bool = False) -> str:
     """Train a Deriv language model as `args` say; returns the exported folder."""
     started = time.perf_counter()
@@ -187,21 +110,27 @@ def train_lm(args, cpu: bool = False) -> str:
         unwrapped = accelerator.unwrap_model(trainer.model)
         unwrapped.generation_config = generation_defaults(tokenizer, args.context_length)
         ratio = characters_per_token(tokenizer, [t for _, t in zip(range(300), corpus, strict=False)])
-        blocks = (len(train_ds), len(val_ds))
-        seconds = time.perf_counter() - started
-        record = run_record(args, corpus, blocks, tokenizer, unwrapped, state, ratio, accelerator, seconds)
-        with atomic_directory(args.output_dir) as tmp:  # the model files appear together or not at all
-            unwrapped.save_pretrained(tmp, state_dict=state_dict)
-            tokenizer.save_pretrained(tmp)
-            from deriv_lm.tokenization.bpe import make_portable
-
-            make_portable(tmp)
-            with open(os.path.join(tmp, "run.json"), "w") as f:
-                json.dump(record, f, indent=2, default=str)
-            if not plot_losses(state.history, os.path.join(tmp, "loss.png")):
-                accelerator.print("loss.png skipped: pip install matplotlib (or deriv-lm[viz]) to plot the curves")
+        final = next((r for r in reversed(state.history) if "val_loss" in r), {})
+        record = run_record(
+            "causal-lm",
+            args,
+            {
+                "corpus": corpus.description,
+                "train_blocks": len(train_ds),
+                "validation_blocks": len(val_ds),
+                "context_length": args.context_length,
+            },
+            tokenizer,
+            ratio,
+            unwrapped,
+            state,
+            accelerator,
+            time.perf_counter() - started,
+            {"val_loss": final.get("val_loss"), "val_perplexity": final.get("val_perplexity")},
+        )
+        export_folder(args.output_dir, unwrapped, state_dict, tokenizer, record, state.history, accelerator.print)
         show_samples(unwrapped, tokenizer, args)
-        metrics = record["metrics"]
+        seconds, metrics = record["training"]["wall_seconds"], record["metrics"]
         accelerator.print(
             f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M tokens in {seconds:.0f} s; "
             f"validation perplexity {metrics['val_perplexity']:.2f}; model folder: {os.path.abspath(args.output_dir)}"

@@ -91,6 +91,17 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callab
     return factor
 
 
+def inverse_sqrt(warmup_steps: int) -> Callable[[int], float]:
+    """The paper's schedule (§5.3), lrate = d^-0.5 min(step^-0.5, step warmup^-1.5), as lr(step) / lr_max:
+    linear up to the peak at `warmup_steps`, then decaying as 1/sqrt(step). `learning_rate` is the peak."""
+
+    def factor(step: int) -> float:
+        step += 1
+        return min(step / warmup_steps, math.sqrt(warmup_steps / step))
+
+    return factor
+
+
 def choose_mixed_precision(requested: str, cpu: bool) -> str:
     if requested != "auto":
         return requested
@@ -108,6 +119,13 @@ class Task:
     eval_dataset: object
     collate: Callable
     count_targets: Callable[[dict], torch.Tensor]  # target tokens in a batch (what the loss averages over)
+    # The training loss, given (model, batch, target tokens of the window); None: the model's own loss.
+    # Evaluation always uses the model's own loss (a translation task trains with label smoothing but
+    # reports the plain cross-entropy).
+    compute_loss: Callable | None = None
+    # Examples per dataset item: None means args.batch_size examples are collated into a batch; 1 means
+    # each item already is a batch (the translation task builds them from pairs of similar length).
+    batch_size: int | None = None
 
 
 class Trainer:
@@ -200,7 +218,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.args.seed)
         return DataLoader(
             dataset,
-            batch_size=self.args.batch_size,
+            batch_size=self.task.batch_size or self.args.batch_size,
             shuffle=shuffle,
             collate_fn=self.task.collate,
             generator=generator,
@@ -234,9 +252,12 @@ class Trainer:
             parameter_groups(model, args.weight_decay), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2)
         )
         # The schedule counts optimizer steps; prepare() would step it once per process, so it stays unprepared.
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_cosine(args.warmup_steps, args.max_steps, args.min_lr_ratio)
+        schedule = (
+            inverse_sqrt(args.warmup_steps)
+            if args.lr_schedule == "inverse_sqrt"
+            else warmup_cosine(args.warmup_steps, args.max_steps, args.min_lr_ratio)
         )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         train_dl = self._dataloader(self.task.train_dataset, shuffle=True)
         eval_dl = self._dataloader(self.task.eval_dataset, shuffle=False)
         model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
@@ -318,7 +339,10 @@ class Trainer:
                         # tell accelerate which micro-batch ends it instead of letting it guess from the loader.
                         accelerator.gradient_state._set_sync_gradients(last)
                         with accelerator.no_sync(model) if not last and not deepspeed else nullcontext():
-                            loss = model(**batch, num_items_in_batch=global_targets).loss
+                            if self.task.compute_loss is not None:
+                                loss = self.task.compute_loss(model, batch, global_targets)
+                            else:
+                                loss = model(**batch, num_items_in_batch=global_targets).loss
                             loss_sum += loss.detach().float()
                             # backward divides by `window` and DDP averages over processes: undo both.
                             accelerator.backward(loss * window * accelerator.num_processes)

@@ -1,0 +1,106 @@
+"""What every training task ends with: the run record and the exported model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import torch
+
+from deriv_lm.tokenization.bpe import make_portable
+from deriv_lm.tokenization.files import atomic_directory
+
+
+def plot_losses(history: list[dict], path: str) -> bool:
+    """Training and validation loss against tokens seen, as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [(r["tokens_seen"], r["train_loss"]) for r in history if "train_loss" in r]
+    val = [(r["tokens_seen"], r["val_loss"]) for r in history if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="training loss", linewidth=1)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def run_record(
+    task: str, args, data: dict, tokenizer, chars_per_token, model, state, accelerator, seconds, metrics
+) -> dict:
+    """What produced an exported folder (run.json): the model card and `deriv check` read it from there."""
+    import accelerate
+    import datasets
+    import tokenizers
+    import transformers
+
+    return {
+        "task": task,
+        "arguments": {k: v for k, v in vars(args).items()},
+        "data": data,
+        "tokenizer": {
+            "vocab_size": len(tokenizer),
+            "characters_per_token": chars_per_token,
+            "special_tokens": tokenizer.all_special_tokens,
+        },
+        "model": {"parameters": sum(p.numel() for p in model.parameters()), "config": model.config.to_diff_dict()},
+        "training": {
+            "steps": state.step,
+            "tokens_seen": state.tokens_seen,
+            "train_seconds": state.train_seconds,
+            "wall_seconds": seconds,
+        },
+        "hardware": {
+            "device": str(accelerator.device),
+            "processes": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision,
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__,
+            "datasets": datasets.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "metrics": metrics,
+    }
+
+
+def export_folder(output_dir, model, state_dict, tokenizer, record, history, say=print, pipeline_class=None) -> None:
+    """Weights (safetensors) + model code + tokenizer + generation defaults + run.json + loss.png, written
+    into a temporary folder and renamed into place: the files appear together or not at all.
+
+    With `pipeline_class`, the folder also carries that pipeline (`custom_pipelines` in config.json and
+    its code), so `pipeline(model=folder, trust_remote_code=True)` works without this package.
+    """
+    with atomic_directory(output_dir) as tmp:
+        if pipeline_class is not None:
+            # Pipeline.save_pretrained writes custom_pipelines, copies the pipeline module, then saves the
+            # model (the gathered state dict passes through) and the tokenizer.
+            pipeline_class(model=model, tokenizer=tokenizer).save_pretrained(tmp, state_dict=state_dict)
+        else:
+            model.save_pretrained(tmp, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+        make_portable(tmp)
+        with open(os.path.join(tmp, "run.json"), "w") as f:
+            json.dump(record, f, indent=2, default=str)
+        if not plot_losses(history, os.path.join(tmp, "loss.png")):
+            say("loss.png skipped: pip install matplotlib (or deriv-lm[viz]) to plot the curves")
