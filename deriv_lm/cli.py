@@ -9,12 +9,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from .bench import decoder as bench_decoder
+    from .bench import seq2seq as bench_seq2seq
     from .bench import tokenizer as bench_tokenizer
     from .bench import training as bench_training
     from .tokenization import commands as tokenizer_commands
     from .training import commands as training_commands
 
-    train = sub.add_parser("train", help="train a model (lm: the decoder language model)")
+    train = sub.add_parser(
+        "train", help="train a model (lm: the decoder language model; translation: the encoder-decoder)"
+    )
     training_commands.add_arguments(train)
     training_commands.add_use_arguments(sub)
 
@@ -24,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmark Deriv against Hugging Face's GPT-2 at the same size")
     bench_decoder.add_arguments(bench)
     bench.set_defaults(func=bench_decoder.run)
+
+    bench_s2s = sub.add_parser(
+        "bench-seq2seq", help="benchmark the encoder-decoder against Hugging Face's MarianMTModel at the same size"
+    )
+    bench_seq2seq.add_arguments(bench_s2s)
+    bench_s2s.set_defaults(func=bench_seq2seq.run)
 
     bench_tok = sub.add_parser("bench-tokenizer", help="benchmark the BPE trainers and encoding")
     bench_tokenizer.add_arguments(bench_tok)

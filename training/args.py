@@ -28,6 +28,9 @@ class TrainingArguments:
     validation_fraction: float = 0.05  # of the documents, held out before packing (no block straddles both)
     num_proc: int | None = None  # processes for tokenization (None: one per CPU core, at most 8)
     cache_dir: str | None = None  # datasets cache (None: the library's default)
+    # translation data: the languages (`translation` column keys, or the gettext catalog's language)
+    source_lang: str = "en"
+    target_lang: str = "de"
     # tokenizer: an existing folder, or train one of vocab_size on the training documents
     tokenizer: str | None = None
     vocab_size: int = 4096
@@ -40,13 +43,17 @@ class TrainingArguments:
     hidden_act: str = "relu"
     pre_norm: bool = False
     dropout: float = 0.1
+    encoder_layers: int | None = None  # translation: per side (None: num_hidden_layers)
+    decoder_layers: int | None = None
     # optimisation
     batch_size: int = 16  # sequences per device per micro-batch
     gradient_accumulation_steps: int = 1
     max_steps: int = 600  # optimizer steps
     learning_rate: float = 1e-3
+    lr_schedule: str = "cosine"  # or "inverse_sqrt" (the paper's, §5.3; learning_rate is then its peak)
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
     warmup_steps: int = 60
+    label_smoothing: float = 0.0  # translation: the paper's 0.1 (§5.4)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98  # the paper's beta_2
@@ -61,7 +68,9 @@ class TrainingArguments:
     keep_checkpoints: int = 2
     report_to: str = "none"  # or "tensorboard" (needs the tensorboard package)
     resume: bool = False
-    samples: int = 3  # texts generated at the end
+    samples: int = 3  # texts generated (or translated) at the end
+    num_beams: int = 4  # translation: beam width for the BLEU evaluation and the exported generation defaults
+    bleu_pairs: int | None = None  # translation: score BLEU on at most this many test pairs (None: all)
     progress: bool = True
 
     def validate(self) -> None:
@@ -80,6 +89,7 @@ class TrainingArguments:
             "eval_batches",
             "save_every",
             "keep_checkpoints",
+            "num_beams",
         ]
         for name in positive:
             value = getattr(self, name)
@@ -93,6 +103,14 @@ class TrainingArguments:
             raise ValueError(f"`mixed_precision` must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.report_to not in ("none", "tensorboard"):
             raise ValueError(f"`report_to` must be none or tensorboard, got {self.report_to!r}")
+        if self.lr_schedule not in ("cosine", "inverse_sqrt"):
+            raise ValueError(f"`lr_schedule` must be cosine or inverse_sqrt, got {self.lr_schedule!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"`label_smoothing` must lie in [0, 1), got {self.label_smoothing}")
+        for name in ("encoder_layers", "decoder_layers", "bleu_pairs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"`learning_rate` must be positive, got {self.learning_rate}")
 
@@ -147,6 +165,49 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# The translation task's presets (`deriv train translation --preset ...`), over the same defaults.
+TRANSLATION_PRESETS: dict[str, dict] = {
+    # The paper's recipe at a size that trains on 2 CPU cores within 15 minutes on the gettext pairs.
+    "tiny": dict(
+        output_dir="runs/deriv-translate-tiny",
+        vocab_size=4096,
+        context_length=64,
+        hidden_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        batch_size=64,
+        max_steps=1200,
+        learning_rate=1e-3,
+        lr_schedule="inverse_sqrt",
+        warmup_steps=200,
+        label_smoothing=0.1,
+        eval_every=200,
+        save_every=400,
+        eval_batches=10,
+    ),
+    # The paper's base model (65 M parameters with its 37 000-token vocabulary); a GPU run.
+    "base": dict(
+        output_dir="runs/deriv-translate-base",
+        vocab_size=32000,
+        context_length=256,
+        hidden_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        intermediate_size=2048,
+        batch_size=128,
+        max_steps=100000,
+        learning_rate=7e-4,
+        lr_schedule="inverse_sqrt",
+        warmup_steps=4000,
+        label_smoothing=0.1,
+        eval_every=2000,
+        save_every=5000,
+        mixed_precision="bf16",
+    ),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field (--max-steps 100, --pre-norm / --no-pre-norm, --files a.txt b.txt), plus --config."""
     parser.add_argument("--config", help="a YAML or JSON file of training arguments")
@@ -177,8 +238,8 @@ def load_config_file(path: str) -> dict:
     return values
 
 
-def from_namespace(namespace: argparse.Namespace) -> TrainingArguments:
-    """Defaults < preset < --config file < command-line flags."""
+def from_namespace(namespace: argparse.Namespace, presets: dict[str, dict] = PRESETS) -> TrainingArguments:
+    """Defaults < preset (of the task's `presets`) < --config file < command-line flags."""
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     given = {k: v for k, v in vars(namespace).items() if k in names and v is not None}
     from_file = load_config_file(namespace.config) if getattr(namespace, "config", None) else {}
@@ -186,8 +247,8 @@ def from_namespace(namespace: argparse.Namespace) -> TrainingArguments:
     if unknown:
         raise ValueError(f"{namespace.config}: unknown training arguments {sorted(unknown)}")
     preset = given.get("preset", from_file.get("preset", "tiny"))
-    if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    args = TrainingArguments(**{**PRESETS[preset], **from_file, **given, "preset": preset})
+    if preset not in presets:
+        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(presets)}")
+    args = TrainingArguments(**{**presets[preset], **from_file, **given, "preset": preset})
     args.validate()
     return args

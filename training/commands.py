@@ -1,4 +1,4 @@
-"""`deriv train lm`: the command-line side of the training room."""
+"""`deriv train lm|translation`, `deriv generate`, `deriv translate`, `deriv eval`: the training room's CLI."""
 
 from __future__ import annotations
 
@@ -19,6 +19,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     training_args.add_arguments(lm)
     lm.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
     lm.set_defaults(func=run_lm)
+
+    mt = sub.add_parser(
+        "translation",
+        help="train a Deriv encoder-decoder (no arguments: the tiny preset on the embedded en->de pairs)",
+        description="Train a Deriv encoder-decoder on source/target pairs: --files (.tsv source<TAB>target, "
+        ".jsonl), --dataset (a `translation` column, the WMT/OPUS layout), or by default this machine's gettext "
+        "catalogs (English -> --target-lang). Flags override --config, which overrides --preset (tiny, base).",
+    )
+    training_args.add_arguments(mt)
+    mt.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
+    mt.set_defaults(func=run_translation)
 
 
 def add_use_arguments(sub) -> None:
@@ -41,19 +52,46 @@ def add_use_arguments(sub) -> None:
     gen.add_argument("--no-stream", action="store_true", help="print at the end instead of token by token")
     gen.set_defaults(func=run_generate)
 
-    ev = sub.add_parser("eval", help="perplexity of a model folder on a corpus, with a sliding window")
+    tr = sub.add_parser("translate", help="translate text with a trained translation folder")
+    tr.add_argument("folder")
+    tr.add_argument("text", nargs="+", help="one or more source sentences")
+    tr.add_argument("--num-beams", type=int, default=None, help="default: the folder's generation config")
+    tr.add_argument("--length-penalty", type=float, default=None)
+    tr.add_argument("--max-new-tokens", type=int, default=None)
+    tr.add_argument("--num-return-sequences", type=int, default=1, help="the best n beams per sentence")
+    tr.add_argument("--greedy", action="store_true", help="no beam search: the most likely token each step")
+    tr.set_defaults(func=run_translate)
+
+    ev = sub.add_parser(
+        "eval",
+        help="score a model folder: perplexity (language model) or BLEU / chrF (translation)",
+        description="A language model: perplexity on a corpus with a sliding window. A translation model: "
+        "BLEU and chrF with beam search on the held-out test split of the pairs (the split training used; "
+        "--all-pairs scores every pair, for a separate test file).",
+    )
     ev.add_argument("folder")
     ev.add_argument("--stride", type=int, default=None, help="default: half the context")
     ev.add_argument("--max-tokens", type=int, default=200_000, help="evaluate on at most this many tokens")
     add_corpus_arguments(ev)
+    ev.add_argument("--source-lang", default="en", help="translation: source language (default: en)")
+    ev.add_argument("--target-lang", default="de", help="translation: target language (default: de)")
+    ev.add_argument("--num-beams", type=int, default=None, help="translation: default the folder's setting")
+    ev.add_argument("--max-pairs", type=int, default=None, help="translation: score at most this many pairs")
+    ev.add_argument("--all-pairs", action="store_true", help="translation: every pair, not the test split")
     ev.set_defaults(func=run_eval)
 
 
-def _load_folder(folder: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_folder(folder: str, seq2seq: bool | None = False):
+    """(model, tokenizer) of an exported folder; `seq2seq=None` takes whichever kind the folder holds."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     try:
-        return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+        is_seq2seq = AutoConfig.from_pretrained(folder).is_encoder_decoder
+        if seq2seq is not None and is_seq2seq != seq2seq:
+            wanted, found = ("translation", "language") if seq2seq else ("language", "translation")
+            raise SystemExit(f"{folder} holds a {found} model; this command needs a {wanted} model")
+        auto = AutoModelForSeq2SeqLM if is_seq2seq else AutoModelForCausalLM
+        return auto.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as error:
         raise SystemExit(f"{folder}: not a model folder ({error})") from error
 
@@ -89,12 +127,35 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_translate(ns: argparse.Namespace) -> int:
+    from .evaluate import translate
+
+    model, tokenizer = _load_folder(ns.folder, seq2seq=True)
+    options = {
+        k: getattr(ns, k)
+        for k in ("num_beams", "length_penalty", "max_new_tokens", "num_return_sequences")
+        if getattr(ns, k) is not None
+    }
+    if ns.greedy:
+        options["num_beams"] = 1
+    n = ns.num_return_sequences
+    if n > max(1, options.get("num_beams", model.generation_config.num_beams or 1)):
+        raise SystemExit(f"--num-return-sequences {n} needs at least as many beams (--num-beams {n})")
+    outputs = translate(model, tokenizer, ns.text, **options)
+    for i, source in enumerate(ns.text):
+        for text in outputs[i * n : (i + 1) * n]:
+            print(text if len(ns.text) == 1 else f"{source}\t{text}")
+    return 0
+
+
 def run_eval(ns: argparse.Namespace) -> int:
     from deriv_lm.tokenization.commands import corpus_from_args
 
     from .evaluate import sliding_window_perplexity
 
-    model, tokenizer = _load_folder(ns.folder)
+    model, tokenizer = _load_folder(ns.folder, seq2seq=None)
+    if model.config.is_encoder_decoder:
+        return _eval_translation(ns, model, tokenizer)
     corpus = corpus_from_args(ns)
     ids: list[int] = []
     for text in corpus:
@@ -110,13 +171,46 @@ def run_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_translation(ns: argparse.Namespace, model, tokenizer) -> int:
+    from deriv_lm.tokenization.parallel import split_pairs
+
+    from .translation import pair_corpus, score
+
+    ns.files = ns.files or []
+    corpus = pair_corpus(ns)
+    pairs = corpus.pairs if ns.all_pairs else split_pairs(corpus.pairs)["test"]
+    pairs = pairs[: ns.max_pairs] if ns.max_pairs else pairs
+    if not pairs:
+        raise SystemExit(f"No pairs to score in {corpus.description}{'' if ns.all_pairs else ' (test split)'}")
+    beams = ns.num_beams or model.generation_config.num_beams or 1
+    result = score(model, tokenizer, pairs, beams, progress=True)
+    print(
+        f"BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} on {len(pairs)} pairs of {corpus.description} "
+        f"({'all' if ns.all_pairs else 'test split'}; {beams} beams); copying the source scores BLEU "
+        f"{result['copy_source_bleu']:.2f}, chrF {result['copy_source_chrf']:.2f}\n"
+        f"{result['bleu_signature']}\n{result['chrf_signature']}"
+    )
+    return 0
+
+
 def run_lm(namespace: argparse.Namespace) -> int:
     from .lm import train_lm
+
+    return _run_training(train_lm, training_args.from_namespace(namespace), namespace.cpu)
+
+
+def run_translation(namespace: argparse.Namespace) -> int:
+    from .translation import train_translation
+
+    args = training_args.from_namespace(namespace, training_args.TRANSLATION_PRESETS)
+    return _run_training(train_translation, args, namespace.cpu)
+
+
+def _run_training(train, args, cpu: bool) -> int:
     from .trainer import NonFiniteLoss, TrainingInterrupted
 
-    args = training_args.from_namespace(namespace)
     try:
-        train_lm(args, cpu=namespace.cpu)
+        train(args, cpu=cpu)
     except TrainingInterrupted as stop:
         print(f"\n{stop}", file=sys.stderr)
         return 130

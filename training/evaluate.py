@@ -1,4 +1,4 @@
-"""Using a trained folder: perplexity with a sliding window, and generation."""
+"""Using a trained folder: perplexity with a sliding window; translation and its BLEU / chrF."""
 
 from __future__ import annotations
 
@@ -39,3 +39,52 @@ def sliding_window_perplexity(model, token_ids: list[int], window: int, stride: 
             break
     mean = total_nll / total_tokens
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": total_tokens, "window": window, "stride": stride}
+
+
+@torch.no_grad()
+def translate(
+    model, tokenizer, sources: list[str], batch_size: int = 32, progress: bool = False, **generate_kwargs
+) -> list[str]:
+    """Translate `sources` with `model.generate` (its generation config, overridden by `generate_kwargs`).
+
+    Sources are decoded in batches of similar length (less padding, fewer wasted beam steps) and
+    returned in the order given, `num_return_sequences` per source one after another; a source longer
+    than the model reads is truncated to it.
+    """
+    from tqdm.auto import tqdm
+
+    model.eval()
+    n = generate_kwargs.get("num_return_sequences") or 1
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    results: list[list[str]] = [[] for _ in sources]
+    limit = model.config.max_position_embeddings
+    for begin in tqdm(range(0, len(order), batch_size), desc="translating", disable=not progress):
+        chunk = order[begin : begin + batch_size]
+        inputs = tokenizer(
+            [sources[i] for i in chunk],
+            add_special_tokens=False,
+            padding=True,
+            truncation=True,
+            max_length=limit,
+            return_tensors="pt",
+        ).to(model.device)
+        texts = tokenizer.batch_decode(model.generate(**inputs, **generate_kwargs), skip_special_tokens=True)
+        for j, i in enumerate(chunk):
+            results[i] = [t.strip() for t in texts[j * n : (j + 1) * n]]
+    return [text for texts in results for text in texts]
+
+
+def bleu_chrf(hypotheses: list[str], references: list[str]) -> dict:
+    """Corpus BLEU and chrF with sacrebleu's defaults (one reference per sentence), with their signatures:
+    quote the signature with the score, it says how the score was computed."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    bleu, chrf = BLEU(), CHRF()
+    return {
+        "bleu": bleu.corpus_score(hypotheses, [references]).score,
+        "chrf": chrf.corpus_score(hypotheses, [references]).score,
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+    }
