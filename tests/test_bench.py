@@ -70,3 +70,25 @@ def test_training_bench_runs_a_preset_and_prints_its_row(capsys):
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.startswith("| tiny |")]
     assert row and "%" in row[0] and "| 2048 |" in row[0]
+
+
+def test_seq2seq_bench_prints_the_side_by_side_table(tmp_path, capsys):
+    args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64", "--batch", "2"]
+    args += [
+        "--source-len",
+        "8",
+        "--target-len",
+        "8",
+        "--train-steps",
+        "1",
+        "--new-tokens",
+        "3",
+        "--beam-repeats",
+        "1",
+    ]
+    assert main(["bench-seq2seq", *args, "--json", str(tmp_path / "b.json")]) == 0
+    table = capsys.readouterr().out
+    for row in ("train tokens/s", "beam search new tokens/s (4 beams)", "peak tensor memory, beam search"):
+        assert row in table
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["deriv"] > 0 and r["marian"] > 0 for r in rows)
