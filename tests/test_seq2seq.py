@@ -181,6 +181,26 @@ def test_beam_search_options():
     assert torch.equal(out.sequences, no_cache)
 
 
+def test_beam_search_reorders_only_the_targets_cache(monkeypatch):
+    from transformers.cache_utils import DynamicLayer
+
+    reordered = []
+    original = DynamicLayer.reorder_cache
+
+    def spy(layer, beam_idx):
+        reordered.append(id(layer))
+        return original(layer, beam_idx)
+
+    monkeypatch.setattr(DynamicLayer, "reorder_cache", spy)
+    model = make_seq2seq()
+    out = model.generate(**sources(), num_beams=3, max_new_tokens=6, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert reordered and set(reordered) == {id(layer) for layer in cache.self_attention_cache.layers}
+    # the cross-attention rows of one source's beams are equal, which is what makes skipping them exact
+    keys = cache.cross_attention_cache.layers[0].keys.view(3, 3, *cache.cross_attention_cache.layers[0].keys.shape[1:])
+    assert torch.equal(keys[:, :1].expand_as(keys), keys)
+
+
 def test_bad_inputs_are_clear_errors():
     model = make_seq2seq()
     with pytest.raises(ValueError, match="outside the vocabulary"):
