@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8, help="pairs per training batch and sources per beam search")
     parser.add_argument("--source-len", type=int, default=128)
     parser.add_argument("--target-len", type=int, default=128)
-    parser.add_argument("--train-steps", type=int, default=8, help="timed training steps per model")
+    parser.add_argument("--train-steps", type=int, default=16, help="timed training steps per model")
     parser.add_argument("--beams", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per beam search")
     parser.add_argument("--beam-repeats", type=int, default=5, help="timed beam searches per model")

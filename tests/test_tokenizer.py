@@ -309,3 +309,18 @@ def test_a_local_dataset_through_datasets(tmp_path):
     assert list(hub_corpus(str(tmp_path / "files"), text_column="content", streaming=True)) == ["one", "two"]
     with pytest.raises(KeyError, match="columns are"):
         hub_corpus(str(tmp_path / "files"), text_column="text")
+
+
+def test_characters_per_token_ignores_padding_left_on_by_a_batched_call(tiny_tokenizer):
+    from deriv_lm.tokenization.commands import characters_per_token
+
+    texts = ["a short one", "a much longer text than the first, with many more tokens in it"]
+    before = characters_per_token(tiny_tokenizer, texts)
+    tiny_tokenizer(texts, padding=True)  # switches padding on in the backend tokenizer
+    assert tiny_tokenizer.backend_tokenizer.padding is not None
+    try:
+        assert characters_per_token(tiny_tokenizer, texts) == before
+    finally:
+        tiny_tokenizer.backend_tokenizer.no_padding()  # the fixture is shared by the session
+    tokens = sum(len(tiny_tokenizer(t, add_special_tokens=False).input_ids) for t in texts)
+    assert before == sum(map(len, texts)) / tokens

@@ -243,6 +243,10 @@ def test_trained_folder_records_bleu_against_the_copy_baseline(translation_run):
     config = json.loads((out / "config.json").read_text())
     assert config["custom_pipelines"]["deriv-translation"]["pt"] == ["AutoModelForSeq2SeqLM"]
     assert json.loads((out / "generation_config.json").read_text())["num_beams"] == 2
+    # the BLEU decode pads and truncates batches; none of that state may reach the saved tokenizer or the stats
+    saved = json.loads((out / "tokenizer.json").read_text())
+    assert saved["padding"] is None and saved["truncation"] is None
+    assert record["tokenizer"]["characters_per_token"] > 1.5
 
 
 def test_translate_and_eval_commands(translation_run, capsys):

@@ -64,7 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def characters_per_token(tokenizer, documents: list[str]) -> float:
     """Characters of text per token: how much each token of the model's context carries."""
-    encodings = tokenizer.backend_tokenizer.encode_batch(documents, add_special_tokens=False)
+    from tokenizers import Tokenizer
+
+    # subtle: a batched `tokenizer(..., padding=True)` leaves padding (and truncation) switched on in the
+    # backend, and encode_batch would then count pad tokens; measure with a clean copy.
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    backend.no_truncation()
+    encodings = backend.encode_batch(documents, add_special_tokens=False)
     tokens = sum(len(e.ids) for e in encodings)
     return sum(map(len, documents)) / max(1, tokens)
 

@@ -91,6 +91,10 @@ def export_folder(output_dir, model, state_dict, tokenizer, record, history, say
     With `pipeline_class`, the folder also carries that pipeline (`custom_pipelines` in config.json and
     its code), so `pipeline(model=folder, trust_remote_code=True)` works without this package.
     """
+    # subtle: batched calls with padding=True / truncation (the BLEU decode) leave that state in the backend,
+    # and save_pretrained writes it into tokenizer.json, where plain `tokenizers` users would inherit it.
+    tokenizer.backend_tokenizer.no_padding()
+    tokenizer.backend_tokenizer.no_truncation()
     with atomic_directory(output_dir) as tmp:
         if pipeline_class is not None:
             # Pipeline.save_pretrained writes custom_pipelines, copies the pipeline module, then saves the
