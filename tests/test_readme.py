@@ -13,3 +13,4 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
     assert (tmp_path / "tiny-deriv" / "model.safetensors").exists()
+    assert (tmp_path / "tiny-deriv-mt" / "model.safetensors").exists()
