@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.deriv-installed
 
-.PHONY: setup test train lint bench bench-tokenizer clean
+.PHONY: setup test train train-translation lint bench bench-seq2seq bench-tokenizer clean
 
 setup: $(STAMP)
 
@@ -28,11 +28,18 @@ test: setup
 train: setup
 	$(VENV)/bin/deriv train lm $(TRAIN_ARGS)
 
+# The translation model: the tiny preset on this machine's English->German gettext catalogs (about 8 minutes).
+train-translation: setup
+	$(VENV)/bin/deriv train translation $(TRAIN_ARGS)
+
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: setup
 	$(VENV)/bin/deriv bench $(BENCH_ARGS)
+
+bench-seq2seq: setup
+	$(VENV)/bin/deriv bench-seq2seq $(BENCH_ARGS)
 
 bench-tokenizer: setup
 	$(VENV)/bin/deriv bench-tokenizer $(BENCH_ARGS)
