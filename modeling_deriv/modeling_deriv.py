@@ -66,6 +66,13 @@ class DerivSinusoidalPositionalEmbedding(nn.Module):
         return nn.functional.embedding(position_ids, self.weight)  # (B, T, d)
 
 
+def position_embedding(config) -> nn.Module:
+    """PE(pos): the paper's sinusoid (§3.5), or a trained table when `position_embedding_type="learned"`."""
+    if config.position_embedding_type == "learned":
+        return nn.Embedding(config.max_position_embeddings, config.hidden_size)
+    return DerivSinusoidalPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+
+
 class DerivScaledWordEmbedding(nn.Embedding):
     """Token embedding multiplied by sqrt(d_model) (§3.4), so it is on the scale of the sinusoid.
 
@@ -305,12 +312,7 @@ class DerivModel(DerivPreTrainedModel):
     def __init__(self, config: DerivConfig):
         super().__init__(config)
         self.embed_tokens = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
-        if config.position_embedding_type == "learned":
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        else:
-            self.embed_positions = DerivSinusoidalPositionalEmbedding(
-                config.max_position_embeddings, config.hidden_size
-            )
+        self.embed_positions = position_embedding(config)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([DerivDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         # Pre-LN leaves the residual stream unnormalised after the last block; post-LN already ends in one.

@@ -31,8 +31,8 @@ from .modeling_deriv import (
     DerivDecoderLayer,
     DerivPreTrainedModel,
     DerivScaledWordEmbedding,
-    DerivSinusoidalPositionalEmbedding,
     check_inputs,
+    position_embedding,
 )
 
 
@@ -115,30 +115,32 @@ def _embed(module, input_ids, inputs_embeds, past_seen: int, position_ids=None) 
     return inputs_embeds, module.dropout(inputs_embeds + module.embed_positions(position_ids))
 
 
-def _positions(config) -> nn.Module:
-    if config.position_embedding_type == "learned":
-        return nn.Embedding(config.max_position_embeddings, config.hidden_size)
-    return DerivSinusoidalPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+class DerivSeq2SeqStack(DerivSeq2SeqPreTrainedModel):
+    """What both sides are made of: the (shared) scaled embedding, positions, dropout, N blocks, and the final
+    LayerNorm that pre-LN needs; each side adds its own forward."""
 
-
-class DerivEncoder(DerivSeq2SeqPreTrainedModel):
-    """z = Block_N(... Block_1(sqrt(d) E[x] + PE)): the source read all at once, padding masked out."""
-
-    _can_record_outputs = {"hidden_states": DerivEncoderLayer, "attentions": DerivAttention}
-
-    def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None = None):
+    def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None, layer_class, num_layers: int):
         super().__init__(config)
         self.embed_tokens = (
             embed_tokens
             if embed_tokens is not None
             else DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
         )
-        self.embed_positions = _positions(config)
+        self.embed_positions = position_embedding(config)
         self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList([DerivEncoderLayer(config, i) for i in range(config.encoder_layers)])
+        self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
         self.gradient_checkpointing = False
         self.post_init()
+
+
+class DerivEncoder(DerivSeq2SeqStack):
+    """z = Block_N(... Block_1(sqrt(d) E[x] + PE)): the source read all at once, padding masked out."""
+
+    _can_record_outputs = {"hidden_states": DerivEncoderLayer, "attentions": DerivAttention}
+
+    def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None = None):
+        super().__init__(config, embed_tokens, DerivEncoderLayer, config.encoder_layers)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -163,7 +165,7 @@ class DerivEncoder(DerivSeq2SeqPreTrainedModel):
         return BaseModelOutput(last_hidden_state=self.norm(hidden_states))
 
 
-class DerivDecoder(DerivSeq2SeqPreTrainedModel):
+class DerivDecoder(DerivSeq2SeqStack):
     """The target side: masked self-attention over y_<t, cross-attention to z, feed-forward; N blocks."""
 
     _can_record_outputs = {
@@ -173,18 +175,7 @@ class DerivDecoder(DerivSeq2SeqPreTrainedModel):
     }
 
     def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None = None):
-        super().__init__(config)
-        self.embed_tokens = (
-            embed_tokens
-            if embed_tokens is not None
-            else DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
-        )
-        self.embed_positions = _positions(config)
-        self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList([DerivSeq2SeqDecoderLayer(config, i) for i in range(config.decoder_layers)])
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
-        self.gradient_checkpointing = False
-        self.post_init()
+        super().__init__(config, embed_tokens, DerivSeq2SeqDecoderLayer, config.decoder_layers)
 
     @merge_with_config_defaults
     @capture_outputs
