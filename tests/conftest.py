@@ -1,10 +1,7 @@
 """Shared fixtures: tiny configs and models (CPU, seconds), a tiny byte-level tokenizer, and a
 helper that runs Python in a subprocess that cannot import this package."""
 
-import os
 import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -60,36 +57,9 @@ def tiny_tokenizer():
     )
 
 
-HIDE_PACKAGE = textwrap.dedent(
-    """
-    import sys
-
-    class _HideDeriv:
-        # A Hub user's machine: this package is not installed.
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("deriv_lm", "modeling_deriv"):
-                raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
-            return None
-
-    sys.meta_path.insert(0, _HideDeriv())
-    """
-)
-
-
 def run_without_package(code: str, tmp_path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter that cannot import deriv_lm, offline, from an empty directory."""
-    script = tmp_path / "hub_user.py"
-    script.write_text(HIDE_PACKAGE + textwrap.dedent(code) + "\nassert 'deriv_lm' not in sys.modules\n")
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
-        "HF_HOME": str(tmp_path / "hf_home"),
-        "PYTHONPATH": "",
-    }
-    workdir = tmp_path / "cwd"
-    workdir.mkdir(exist_ok=True)
-    return subprocess.run(
-        [sys.executable, str(script)], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    """Run `code` in a fresh interpreter that cannot import deriv_lm, offline, from an empty directory
+    (the same runner `deriv check` uses)."""
+    from deriv_lm.hub_card.check import run_as_hub_user
+
+    return run_as_hub_user(code, tmp_path, timeout=timeout)

@@ -1,0 +1,23 @@
+"""The Hub room: the model card of an exported folder, the dry run and the upload, and the clean-process check.
+
+It reads exported folders only (config.json, run.json, the files beside them) and imports nothing from
+the training room, so it works on any folder with the same layout.
+"""
+
+from .card import build_card, write_card
+from .check import check_folder, run_as_hub_user
+from .folder import missing_files, read_folder, upload_list
+from .push import PushError, push
+
+
+__all__ = [
+    "build_card",
+    "write_card",
+    "check_folder",
+    "run_as_hub_user",
+    "read_folder",
+    "missing_files",
+    "upload_list",
+    "push",
+    "PushError",
+]

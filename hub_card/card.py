@@ -1,0 +1,325 @@
+"""The model card: Hub metadata (`huggingface_hub.ModelCardData` / `EvalResult`) and a body, from the folder.
+
+Every number comes from the folder's own files: `config.json` for the architecture, `run.json` for the
+data, training, compute and evaluation, the weights' header for the parameter count. A folder without
+`run.json` gets a card that says it has no training records instead of numbers.
+"""
+
+from __future__ import annotations
+
+import os
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .folder import ModelFolder, read_folder
+
+
+CITATION = """@inproceedings{vaswani2017attention,
+  title     = {Attention Is All You Need},
+  author    = {Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion
+               and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia},
+  booktitle = {Advances in Neural Information Processing Systems},
+  volume    = {30},
+  year      = {2017}
+}"""
+
+
+def parameter_count(folder: ModelFolder) -> int | None:
+    """From run.json, else from the safetensors header (no tensor is read)."""
+    if folder.run:
+        return folder.run["model"]["parameters"]
+    if not folder.has("model.safetensors"):
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(folder.file("model.safetensors"), "pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            count = 1
+            for size in shape:
+                count *= size
+            total += count
+    return total
+
+
+def _dataset_name(run: dict) -> str | None:
+    """The Hub id of the training data, where it was a `datasets` dataset (the metadata wants Hub ids)."""
+    arguments = run.get("arguments", {})
+    return arguments.get("dataset") if arguments.get("dataset") and not arguments.get("files") else None
+
+
+def _languages(folder: ModelFolder) -> list[str] | None:
+    run = folder.run
+    if not run:
+        return None
+    if folder.is_seq2seq:
+        return [run["data"]["source_lang"], run["data"]["target_lang"]]
+    # the embedded default corpus is English; a user's corpus may be anything, so say nothing
+    return ["en"] if run["data"]["corpus"].startswith("default:") else None
+
+
+def eval_results(folder: ModelFolder) -> list[EvalResult]:
+    """The run's final metrics as model-index entries: validation perplexity; test BLEU and chrF."""
+    run = folder.run
+    if not run or not run.get("metrics"):
+        return []
+    metrics, data = run["metrics"], run["data"]
+    task = folder.pipeline_tag
+    dataset = dict(dataset_type=_dataset_name(run) or "custom", dataset_name=data["corpus"])
+    if folder.is_seq2seq:
+        dataset["dataset_config"] = f"{data['source_lang']}-{data['target_lang']}"
+    results = []
+    if metrics.get("val_perplexity") is not None:
+        results.append(
+            EvalResult(
+                task_type=task,
+                **dataset,
+                dataset_split="validation",
+                metric_type="perplexity",
+                metric_name="Perplexity",
+                metric_value=round(metrics["val_perplexity"], 4),
+            )
+        )
+    for key, name, signature in (("bleu", "BLEU", "bleu_signature"), ("chrf", "chrF", "chrf_signature")):
+        if metrics.get(key) is not None:
+            results.append(
+                EvalResult(
+                    task_type=task,
+                    **dataset,
+                    dataset_split="test",
+                    metric_type=key,
+                    metric_name=name,
+                    metric_value=round(metrics[key], 2),
+                    metric_config=metrics[signature],
+                )
+            )
+    return results
+
+
+def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardData:
+    kind = "translation" if folder.is_seq2seq else "causal-lm"
+    dataset = _dataset_name(folder.run) if folder.run else None
+    return ModelCardData(
+        model_name=model_name,
+        library_name="transformers",
+        pipeline_tag=folder.pipeline_tag,
+        language=_languages(folder),
+        license=license,
+        datasets=[dataset] if dataset else None,
+        tags=["deriv", kind, "custom_code", "from-scratch"],
+        eval_results=eval_results(folder) or None,
+    )
+
+
+def _architecture(folder: ModelFolder) -> str:
+    c = folder.config
+    params = parameter_count(folder)
+    rows = [("parameters", f"{params:,}" if params is not None else "unknown")]
+    if folder.is_seq2seq:
+        rows += [
+            ("layers (encoder + decoder)", f"{c['encoder_layers']} + {c['decoder_layers']}"),
+            (
+                "attention heads (encoder / decoder)",
+                f"{c['encoder_attention_heads']} / {c['decoder_attention_heads']}",
+            ),
+        ]
+    else:
+        rows += [("layers", c["num_hidden_layers"]), ("attention heads", c["num_attention_heads"])]
+    rows += [
+        ("hidden size (d_model)", c["hidden_size"]),
+        ("feed-forward size (d_ff)", f"{c['intermediate_size']} ({c['hidden_act']})"),
+        ("positions", f"{c['position_embedding_type']}, up to {c['max_position_embeddings']} tokens"),
+        ("normalisation", "pre-LN" if c.get("pre_norm") else "post-LN (the paper's)"),
+        ("vocabulary", f"{c['vocab_size']:,} tokens, embedding tied to the output projection"),
+    ]
+    return "| | |\n| --- | --- |\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def _usage(folder: ModelFolder, repo: str) -> str:
+    if folder.is_seq2seq:
+        return f"""```python
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+
+translator = pipeline(model="{repo}", trust_remote_code=True)  # the deriv-translation pipeline
+print(translator("Open the file")[0]["translation_text"])
+
+tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
+model = AutoModelForSeq2SeqLM.from_pretrained("{repo}", trust_remote_code=True)
+inputs = tokenizer(["Save changes?"], return_tensors="pt")
+print(tokenizer.batch_decode(model.generate(**inputs, num_beams=4), skip_special_tokens=True))
+```"""
+    return f"""```python
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
+generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+print(generator("Return the", max_new_tokens=40)[0]["generated_text"])
+```"""
+
+
+def _training(folder: ModelFolder) -> str:
+    run = folder.run
+    if run is None:
+        return (
+            "## Training\n\nThis folder has no training records (`run.json`): it was not written by `deriv train`, "
+            "so this card states no training data, hyperparameters, compute or evaluation results.\n"
+        )
+    a, data, t, hw = run["arguments"], run["data"], run["training"], run["hardware"]
+    tok = run["tokenizer"]
+    lines = ["## Tokenizer\n"]
+    lines.append(
+        f"Byte-level BPE trained with `tokenizers` on the training data: {tok['vocab_size']:,} ids, "
+        f"{tok['characters_per_token']:.2f} characters per token, special tokens "
+        + ", ".join(f"`{s}`" for s in tok["special_tokens"])
+        + ".\n"
+    )
+    lines.append("## Training data\n")
+    if folder.is_seq2seq:
+        pairs = data["pairs"]
+        lines.append(
+            f"{data['corpus']}: {pairs['train']:,} training, {pairs['validation']:,} validation and "
+            f"{pairs['test']:,} test pairs; {data['skipped_empty']} pairs skipped for an empty side and "
+            f"{data['dropped_too_long']} dropped as longer than {data['context_length']} tokens.\n"
+        )
+    else:
+        lines.append(
+            f"{data['corpus']}: {data['train_blocks']:,} training and {data['validation_blocks']:,} validation "
+            f"blocks of {data['context_length']} tokens (documents split before packing).\n"
+        )
+    lines.append("## Training procedure\n")
+    schedule = a.get("lr_schedule", "cosine")
+    hyper = [
+        ("preset", a["preset"]),
+        ("optimizer", f"AdamW (betas {a['adam_beta1']}, {a['adam_beta2']}), weight decay {a['weight_decay']}"),
+        ("learning rate", f"{a['learning_rate']}, {schedule} schedule, {a['warmup_steps']} warmup steps"),
+        (
+            "batch",
+            f"{a['batch_size']} per process x {a['gradient_accumulation_steps']} accumulation x "
+            f"{hw['processes']} process(es)",
+        ),
+        ("dropout", a["dropout"]),
+        ("gradient clipping", a["max_grad_norm"]),
+        ("seed", a["seed"]),
+    ]
+    if folder.is_seq2seq:
+        hyper.append(("label smoothing", a["label_smoothing"]))
+    lines.append("| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in hyper) + "\n")
+    device = hw["gpu"] or f"CPU ({hw['processor']}, {hw['torch_threads']} threads)"
+    lines.append("## Compute\n")
+    lines.append(
+        f"{t['steps']:,} optimizer steps, {t['tokens_seen']:,} {'target ' if folder.is_seq2seq else ''}tokens seen, "
+        f"{t['wall_seconds'] / 60:.1f} minutes of wall time on {hw['processes']} x {device}, mixed precision "
+        f"`{hw['mixed_precision']}`; torch {run['versions']['torch']}, "
+        f"transformers {run['versions']['transformers']}.\n"
+    )
+    if folder.has("loss.png"):
+        lines.append("![Training and validation loss](loss.png)\n")
+    return "\n".join(lines)
+
+
+def _evaluation(folder: ModelFolder) -> str:
+    run = folder.run
+    if not run:
+        return ""
+    m = run["metrics"]
+    lines = ["## Evaluation\n"]
+    if m.get("val_perplexity") is not None:
+        lines.append(
+            f"Validation perplexity: **{m['val_perplexity']:.2f}** (loss {m['val_loss']:.4f} nats per token).\n"
+        )
+    if m.get("bleu") is not None:
+        lines.append(
+            f"On {m['test_pairs']:,} held-out test pairs, beam search with {m['num_beams']} beams "
+            "(scored with sacrebleu):\n\n"
+            "| | BLEU | chrF |\n| --- | ---: | ---: |\n"
+            f"| this model | {m['bleu']:.2f} | {m['chrf']:.2f} |\n"
+            f"| copying the source | {m['copy_source_bleu']:.2f} | {m['copy_source_chrf']:.2f} |\n\n"
+            f"BLEU signature `{m['bleu_signature']}`; chrF signature `{m['chrf_signature']}`.\n"
+        )
+        examples = m.get("examples") or []
+        if examples:
+            lines.append("| source | reference | this model |\n| --- | --- | --- |")
+            cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            lines += [f"| {cell(e['source'])} | {cell(e['reference'])} | {cell(e['translation'])} |" for e in examples]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> ModelCard:
+    """The card for the folder at `path`; usage snippets name `repo_id` (default: the folder's name)."""
+    folder = read_folder(path)
+    name = os.path.basename(os.path.abspath(folder.path))
+    repo = repo_id or name
+    kind = "encoder-decoder translation model" if folder.is_seq2seq else "decoder-only language model"
+    data = card_data(folder, repo.split("/")[-1], license)
+    attention = ", cross-attention from the decoder to the encoder" if folder.is_seq2seq else " with a causal mask"
+    body = f"""
+# {repo.split("/")[-1]}
+
+A Transformer {kind} in the architecture of Vaswani et al. (2017), "Attention Is All You Need", built and
+trained from scratch with [Deriv](https://pypi.org/project/deriv-lm/): token embedding scaled by sqrt(d_model),
+sinusoidal positions, multi-head scaled dot-product attention{attention},
+position-wise feed-forward networks, residual connections with LayerNorm, and an output projection tied to the
+embedding. The folder carries its own modeling code, so `transformers` loads it with `trust_remote_code=True`;
+nothing else needs to be installed.
+
+## Architecture
+
+{_architecture(folder)}
+
+{_training(folder)}
+{_evaluation(folder)}
+## How to use
+
+{_usage(folder, repo)}
+
+`trust_remote_code=True` runs the Python files in this repository (`{"`, `".join(_code_names(folder))}`); read them
+first. The generation defaults are in `generation_config.json`.
+
+## Intended use and limitations
+
+{_limitations(folder)}
+
+## Citation
+
+```bibtex
+{CITATION}
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def _code_names(folder: ModelFolder) -> list[str]:
+    from .folder import code_files
+
+    return code_files(folder)
+
+
+def _limitations(folder: ModelFolder) -> str:
+    scale = (
+        "It is a small model trained briefly, to learn from and to build on: expect fluent fragments, not "
+        "reliable text."
+    )
+    if folder.is_seq2seq:
+        return (
+            "A translation model for short texts in the domain of its training pairs; longer sources are truncated "
+            "to the model's context. " + scale + " Do not use its output where a wrong translation does harm; the "
+            "test score above is measured on held-out pairs of the same corpus and says little about other text."
+        )
+    return (
+        "A language model of the text it was trained on, for studying how such models work and as a starting point "
+        "for fine-tuning. " + scale + " It has not been aligned or filtered and can produce false or offensive text."
+    )
+
+
+def write_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> str:
+    """Write README.md into the folder, atomically (a temporary file renamed into place); returns its path."""
+    card = build_card(path, repo_id, license)
+    target = os.path.join(str(path), "README.md")
+    tmp = target + ".partial"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(card.content)
+    os.replace(tmp, target)
+    return target

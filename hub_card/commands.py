@@ -1,0 +1,78 @@
+"""`deriv card`, `deriv push` and `deriv check`: the command-line side of the Hub room."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(sub) -> None:
+    card = sub.add_parser("card", help="write the model card (README.md) of an exported folder from its records")
+    card.add_argument("folder")
+    card.add_argument("--repo-id", default=None, help="the repo the usage snippets load (default: the folder name)")
+    card.add_argument("--license", default="apache-2.0", help="the license in the card's metadata")
+    card.set_defaults(func=run_card)
+
+    push = sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub")
+    push.add_argument("folder")
+    push.add_argument("--repo-id", required=True, help="NAME or OWNER/NAME")
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--revision", default=None, help="a branch to upload to (made if missing)")
+    push.add_argument("--dry-run", action="store_true", help="check the folder and list the upload; send nothing")
+    push.set_defaults(func=run_push)
+
+    check = sub.add_parser(
+        "check", help="load a folder as a Hub user would (no deriv_lm, offline) and report each step"
+    )
+    check.add_argument("folder")
+    check.set_defaults(func=run_check)
+
+
+def _folder_error(error: Exception) -> SystemExit:
+    return SystemExit(str(error))
+
+
+def run_card(ns: argparse.Namespace) -> int:
+    from .card import write_card
+
+    try:
+        path = write_card(ns.folder, ns.repo_id, ns.license)
+    except (FileNotFoundError, ValueError) as error:
+        raise _folder_error(error) from error
+    print(f"wrote {path}")
+    return 0
+
+
+def run_push(ns: argparse.Namespace) -> int:
+    from .push import PushError, describe, plan, push
+
+    try:
+        files, problems = plan(ns.folder, ns.repo_id)
+        if ns.dry_run:
+            print(f"dry run: would upload to {ns.repo_id}" + (f"@{ns.revision}" if ns.revision else ""))
+            print(describe(files))
+            if problems:
+                print("incomplete, a real push would refuse:\n  " + "\n  ".join(problems), file=sys.stderr)
+                return 1
+            print("complete: nothing was uploaded (dry run)")
+            return 0
+        url = push(ns.folder, ns.repo_id, ns.private, ns.revision)
+    except (PushError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"uploaded: {url}")
+    return 0
+
+
+def run_check(ns: argparse.Namespace) -> int:
+    from .check import check_folder
+
+    try:
+        steps = check_folder(ns.folder)
+    except (FileNotFoundError, ValueError) as error:
+        raise _folder_error(error) from error
+    for step in steps:
+        print(f"{'PASS' if step['ok'] else 'FAIL'}  {step['step']:<9}  {step['detail']}")
+    failed = [s["step"] for s in steps if not s["ok"]]
+    print(f"{ns.folder}: " + (f"FAILED ({', '.join(failed)})" if failed else "every step passed"))
+    return 1 if failed else 0

@@ -1,0 +1,81 @@
+"""`deriv push FOLDER --repo-id NAME`: check the folder, then upload it with `huggingface_hub`.
+
+`--dry-run` checks and lists, and sends nothing. A real push takes the token from the usual places
+(`HF_TOKEN`, or what `hf auth login` stored); without one, or without a network, it fails with a
+message and claims nothing.
+"""
+
+from __future__ import annotations
+
+from .folder import IGNORED, missing_files, read_folder, upload_list
+
+
+class PushError(RuntimeError):
+    pass
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def validate_repo_id(repo_id: str) -> None:
+    """NAME or OWNER/NAME, in the Hub's characters; a clear error otherwise."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id as hub_validate
+
+    try:
+        hub_validate(repo_id)
+    except HFValidationError as error:
+        raise PushError(f"{repo_id!r} is not a valid repo id (expected NAME or OWNER/NAME): {error}") from error
+
+
+def plan(path: str, repo_id: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """(files to upload with sizes, problems); raises for a bad repo id or a folder that is no model."""
+    validate_repo_id(repo_id)
+    folder = read_folder(path)
+    return upload_list(folder), missing_files(folder)
+
+
+def push(path: str, repo_id: str, private: bool = False, revision: str | None = None, say=print) -> str:
+    """Upload the folder (less IGNORED) to `repo_id`; returns the commit URL. Raises PushError on any failure."""
+    files, problems = plan(path, repo_id)
+    if problems:
+        raise PushError("The folder is incomplete, nothing was uploaded:\n  " + "\n  ".join(problems))
+    from huggingface_hub import HfApi, get_token
+
+    token = get_token()
+    if not token:
+        raise PushError(
+            "No Hugging Face token: set HF_TOKEN or run `hf auth login` (a token with write access). "
+            "Nothing was uploaded."
+        )
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        say(
+            f"uploading {len(files)} files ({_size(sum(s for _, s in files))}) to {repo_id}"
+            + (f"@{revision}" if revision else "")
+        )
+        commit = api.upload_folder(
+            folder_path=path,
+            repo_id=repo_id,
+            revision=revision,
+            ignore_patterns=list(IGNORED),
+            commit_message="Upload Deriv model folder",
+        )
+    except Exception as error:  # network, auth, permissions: huggingface_hub raises many kinds
+        raise PushError(f"Upload to {repo_id} failed, so it may be missing or incomplete there: {error}") from error
+    return str(getattr(commit, "commit_url", commit))
+
+
+def describe(files: list[tuple[str, int]]) -> str:
+    width = max((len(name) for name, _ in files), default=0)
+    lines = [f"  {name:<{width}}  {_size(size):>9}" for name, size in files]
+    lines.append(f"  {len(files)} files, {_size(sum(s for _, s in files))} in all")
+    return "\n".join(lines)

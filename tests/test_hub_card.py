@@ -1,0 +1,206 @@
+"""The Hub room: model cards from the run records, the push dry run and its errors, and `deriv check`."""
+
+import json
+import shutil
+
+import pytest
+from huggingface_hub import ModelCard
+
+from deriv_lm.cli import main
+from deriv_lm.hub_card import build_card, check_folder, missing_files, read_folder
+
+
+@pytest.fixture(scope="module")
+def lm_folder(tmp_path_factory):
+    """A language model exported by `deriv train lm` (a few steps on a few default-corpus documents)."""
+    from deriv_lm.tokenization import default_corpus
+
+    tmp = tmp_path_factory.mktemp("hub_lm")
+    corpus = tmp / "corpus.jsonl"
+    with open(corpus, "w") as f:
+        for i, doc in enumerate(default_corpus()):
+            if i >= 60:
+                break
+            f.write(json.dumps({"text": doc}) + "\n")
+    args = ["train", "lm", "--files", str(corpus), "--output-dir", str(tmp / "lm"), "--cache-dir", str(tmp / "cache")]
+    args += ["--vocab-size", "300", "--context-length", "32", "--hidden-size", "32", "--num-hidden-layers", "2"]
+    args += ["--num-attention-heads", "2", "--intermediate-size", "64", "--batch-size", "4", "--max-steps", "6"]
+    args += ["--warmup-steps", "2", "--eval-every", "3", "--eval-batches", "2", "--save-every", "6", "--samples", "1"]
+    assert main([*args, "--num-proc", "1", "--no-progress", "--cpu"]) == 0
+    return tmp / "lm"
+
+
+@pytest.fixture(scope="module")
+def mt_folder(tmp_path_factory):
+    """A translation model exported by `deriv train translation` (a few steps on a made-up TSV corpus)."""
+    tmp = tmp_path_factory.mktemp("hub_mt")
+    data = tmp / "pairs.tsv"
+    rows = [f"open the file {n}\töffne die Datei {n}" for n in range(60)] + [
+        f"save {n}\tspeichere {n}" for n in range(60)
+    ]
+    data.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    args = ["train", "translation", "--files", str(data), "--output-dir", str(tmp / "mt"), "--vocab-size", "300"]
+    args += ["--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1", "--num-attention-heads", "2"]
+    args += ["--intermediate-size", "64", "--batch-size", "16", "--max-steps", "6", "--warmup-steps", "2"]
+    args += ["--eval-every", "3", "--save-every", "6", "--num-beams", "2", "--no-progress", "--cpu"]
+    assert main(args) == 0
+    return tmp / "mt"
+
+
+# ---- the card ---------------------------------------------------------------------------------------
+
+
+def test_language_model_card_metadata_and_numbers_come_from_the_run(lm_folder):
+    card = ModelCard.load(lm_folder / "README.md")  # written by the training command
+    run = json.loads((lm_folder / "run.json").read_text())
+    data = card.data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.language is None  # a local corpus: its language is not known, so not claimed
+    assert "custom_code" in data.tags and data.license == "apache-2.0"
+    (result,) = data.eval_results
+    assert result.metric_type == "perplexity" and result.dataset_split == "validation"
+    assert result.metric_value == round(run["metrics"]["val_perplexity"], 4)
+    body = card.text
+    assert f"| parameters | {run['model']['parameters']:,} |" in body
+    assert (
+        f"{run['training']['steps']:,} optimizer steps" in body and "![Training and validation loss](loss.png)" in body
+    )
+    assert "AutoModelForCausalLM.from_pretrained" in body and "trust_remote_code=True" in body
+    assert "Attention Is All You Need" in body and "@inproceedings{vaswani2017attention" in body
+
+
+def test_translation_card_carries_bleu_and_chrf_with_signatures(mt_folder):
+    card = ModelCard.load(mt_folder / "README.md")
+    metrics = json.loads((mt_folder / "run.json").read_text())["metrics"]
+    assert card.data.pipeline_tag == "translation" and card.data.language == ["en", "de"]
+    by_type = {r.metric_type: r for r in card.data.eval_results}
+    assert set(by_type) == {"perplexity", "bleu", "chrf"}
+    assert by_type["bleu"].metric_value == round(metrics["bleu"], 2) and by_type["bleu"].dataset_split == "test"
+    assert by_type["bleu"].metric_config == metrics["bleu_signature"]
+    assert by_type["chrf"].metric_value == round(metrics["chrf"], 2)
+    assert by_type["chrf"].metric_config == metrics["chrf_signature"]
+    assert f"| copying the source | {metrics['copy_source_bleu']:.2f} |" in card.text
+    assert 'pipeline(model="mt", trust_remote_code=True)' in card.text
+
+
+def test_card_command_rewrites_the_same_card_and_parses_back(mt_folder, tmp_path):
+    folder = tmp_path / "mt"
+    shutil.copytree(mt_folder, folder)
+    written_by_training = (folder / "README.md").read_text()
+    assert main(["card", str(folder)]) == 0
+    assert (folder / "README.md").read_text() == written_by_training  # one source of truth, deterministic
+    assert main(["card", str(folder), "--repo-id", "someone/deriv-mt", "--license", "mit"]) == 0
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.license == "mit" and 'pipeline(model="someone/deriv-mt"' in card.text
+    again = ModelCard(card.content)  # the metadata survives a round trip through huggingface_hub
+    assert again.data.to_dict() == card.data.to_dict()
+
+
+def test_a_folder_without_training_records_says_so(lm_folder, tmp_path):
+    folder = tmp_path / "bare"
+    shutil.copytree(lm_folder, folder)
+    (folder / "run.json").unlink()
+    card = build_card(folder)
+    assert card.data.eval_results is None and "model-index" not in card.content
+    assert "has no training records" in card.text and "optimizer steps" not in card.text
+    run = json.loads((lm_folder / "run.json").read_text())
+    # the parameter count still comes from the weights themselves
+    assert f"| parameters | {run['model']['parameters']:,} |" in card.text
+
+
+# ---- completeness and the dry run -------------------------------------------------------------------
+
+
+def test_dry_run_of_a_complete_folder_lists_the_upload_and_sends_nothing(mt_folder, capsys):
+    assert main(["push", str(mt_folder), "--repo-id", "someone/deriv-mt", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for name in ("README.md", "config.json", "model.safetensors", "pipeline_deriv.py", "tokenizer.json"):
+        assert f"  {name} " in out
+    assert "checkpoints" not in out and "tokenizer/" not in out  # kept for resuming, never uploaded
+    assert "nothing was uploaded" in out
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "modeling_deriv_seq2seq.py",
+        "modeling_deriv.py",  # imported by modeling_deriv_seq2seq.py, named nowhere in config.json
+        "configuration_deriv.py",
+        "pipeline_deriv.py",
+    ],
+)
+def test_dry_run_of_a_folder_missing_a_file_fails_naming_it(mt_folder, tmp_path, capsys, name):
+    folder = tmp_path / "mt"
+    shutil.copytree(mt_folder, folder)
+    (folder / name).unlink()
+    code = main(["push", str(folder), "--repo-id", "someone/deriv-mt", "--dry-run"])
+    assert code != 0
+    captured = capsys.readouterr()
+    assert name in captured.err
+
+
+def test_a_folder_without_auto_map_is_incomplete(lm_folder, tmp_path):
+    folder = tmp_path / "lm"
+    shutil.copytree(lm_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["auto_map"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert any("auto_map" in p for p in missing_files(read_folder(folder)))
+
+
+def test_bad_input_is_a_clear_error(tmp_path, lm_folder, capsys, monkeypatch):
+    assert main(["push", str(tmp_path), "--repo-id", "someone/x", "--dry-run"]) == 1
+    assert "not a model folder: it has no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="No such folder"):
+        main(["card", str(tmp_path / "nope")])
+    assert main(["push", str(lm_folder), "--repo-id", "not a/valid/id", "--dry-run"]) == 1
+    assert "is not a valid repo id" in capsys.readouterr().err
+    # a real push without a token: refused before anything is sent
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored login either
+    assert main(["push", str(lm_folder), "--repo-id", "someone/x"]) == 1
+    err = capsys.readouterr().err
+    assert "No Hugging Face token" in err and "Nothing was uploaded" in err
+
+
+def test_a_push_that_cannot_reach_the_hub_fails_without_claiming_success(lm_folder, tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    # nothing listens on this loopback port: the connection is refused at once, no traffic leaves the machine
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    code = main(["push", str(lm_folder), "--repo-id", "someone/x"])
+    captured = capsys.readouterr()
+    assert code == 1 and "Upload to someone/x failed" in captured.err and "uploaded:" not in captured.out
+
+
+# ---- deriv check ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["lm_folder", "mt_folder"])
+def test_check_passes_on_exported_folders(request, which, capsys):
+    folder = request.getfixturevalue(which)
+    assert main(["check", str(folder)]) == 0
+    out = capsys.readouterr().out
+    for step in ("config", "tokenizer", "model", "generate", "pipeline"):
+        assert f"PASS  {step}" in out
+    assert "every step passed" in out
+
+
+def test_check_fails_clearly_without_the_code_files(lm_folder, tmp_path, capsys):
+    folder = tmp_path / "lm"
+    shutil.copytree(lm_folder, folder)
+    for name in ("modeling_deriv.py", "configuration_deriv.py"):
+        (folder / name).unlink()
+    steps = {s["step"]: s for s in check_folder(folder)}
+    assert not steps["config"]["ok"] and "configuration_deriv" in steps["config"]["detail"]
+    assert not steps["model"]["ok"] and not steps["pipeline"]["ok"]
+    assert main(["check", str(folder)]) == 1
+    assert "FAILED" in capsys.readouterr().out
