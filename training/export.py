@@ -8,6 +8,7 @@ import platform
 
 import torch
 
+from deriv_lm.hub_card import write_card
 from deriv_lm.tokenization.bpe import make_portable
 from deriv_lm.tokenization.files import atomic_directory
 
@@ -108,3 +109,5 @@ def export_folder(output_dir, model, state_dict, tokenizer, record, history, say
             json.dump(record, f, indent=2, default=str)
         if not plot_losses(history, os.path.join(tmp, "loss.png")):
             say("loss.png skipped: pip install matplotlib (or deriv-lm[viz]) to plot the curves")
+        # README.md, from the files just written; named after the final folder, not the temporary one
+        write_card(tmp, repo_id=os.path.basename(os.path.abspath(output_dir)))
