@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import tokenizer as bench_tokenizer
     from .bench import training as bench_training
     from .hub_card import commands as hub_commands
+    from .viz import commands as viz_commands
     from .tokenization import commands as tokenizer_commands
     from .training import commands as training_commands
 
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     training_commands.add_use_arguments(sub)
 
     hub_commands.add_arguments(sub)
+    viz_commands.add_arguments(sub)
 
     tokenizer = sub.add_parser("tokenizer", help="train, show and measure byte-level BPE tokenizers")
     tokenizer_commands.add_arguments(tokenizer)

@@ -1,0 +1,123 @@
+"""`deriv attention` and `deriv picture ...`: the command-line side of the pictures."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(sub) -> None:
+    att = sub.add_parser("attention", help="heat maps of a model's attention weights on a text (PNG)")
+    att.add_argument("folder")
+    att.add_argument("text")
+    att.add_argument("--target", default=None, help="translation: the target text (default: the model's own)")
+    att.add_argument("--layers", type=int, nargs="+", default=None, help="layer indices (default: all)")
+    att.add_argument("--heads", type=int, nargs="+", default=None, help="head indices (default: all)")
+    att.add_argument("--average", action="store_true", help="one panel per layer: the mean over heads")
+    att.add_argument(
+        "--kind", choices=["encoder", "decoder", "cross", "all"], default="all", help="translation: which attention"
+    )
+    att.add_argument("--out", default="attention.png", help="output PNG (translation: one file per kind, suffixed)")
+    att.set_defaults(func=run_attention)
+
+    pic = sub.add_parser("picture", help="pictures of the parts: positions, tokens, temperature, curves")
+    kinds = pic.add_subparsers(dest="picture", required=True)
+    pos = kinds.add_parser("positions", help="the sinusoidal position table and the dot products between positions")
+    pos.add_argument("--positions", type=int, default=64)
+    pos.add_argument("--dim", type=int, default=128)
+    pos.add_argument("--out", default="positions.png")
+    pos.set_defaults(func=lambda ns: _done(_positions(ns)))
+    tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text")
+    tok.add_argument("folder")
+    tok.add_argument("text")
+    tok.add_argument("--out", default="tokens.png")
+    tok.set_defaults(func=lambda ns: _done(_tokens(ns)))
+    tmp = kinds.add_parser("temperature", help="next-token distribution at several temperatures, top-k/top-p marked")
+    tmp.add_argument("folder")
+    tmp.add_argument("text")
+    tmp.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    tmp.add_argument("--top-k", type=int, default=10)
+    tmp.add_argument("--top-p", type=float, default=0.9)
+    tmp.add_argument("--out", default="temperature.png")
+    tmp.set_defaults(func=lambda ns: _done(_temperature(ns)))
+    cur = kinds.add_parser("curves", help="the training curves of a trained folder")
+    cur.add_argument("folder")
+    cur.add_argument("--out", default="curves.png")
+    cur.set_defaults(func=lambda ns: _done(_curves(ns)))
+
+
+def _done(paths) -> int:
+    for path in [paths] if isinstance(paths, str) else paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def _load(folder: str):
+    from .attention import load_eager
+
+    try:
+        return load_eager(folder)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{folder}: not a model folder ({error})") from error
+
+
+def run_attention(ns: argparse.Namespace) -> int:
+    from .attention import attention_maps, plot_attention, select
+
+    model, tokenizer = _load(ns.folder)
+    try:
+        maps = attention_maps(model, tokenizer, ns.text, ns.target)
+        kinds = list(maps) if ns.kind == "all" else [ns.kind]
+        if ns.kind not in ("all", *maps):
+            raise ValueError(f"{ns.folder} has no {ns.kind} attention; it has {', '.join(maps)}")
+        chosen = {kind: select(maps[kind], ns.layers, ns.heads) for kind in kinds}
+    except (ValueError, IndexError) as error:
+        raise SystemExit(f"error: {error}") from error
+    layer_names = ns.layers
+    paths = []
+    for kind, m in chosen.items():
+        stem, ext = os.path.splitext(ns.out)
+        path = ns.out if len(chosen) == 1 else f"{stem}-{kind}{ext or '.png'}"
+        paths.append(plot_attention(m, path, average=ns.average, layer_names=layer_names))
+    return _done(paths)
+
+
+def _positions(ns):
+    from .pictures import positional_encoding
+
+    return positional_encoding(ns.out, ns.positions, ns.dim)
+
+
+def _tokens(ns):
+    from transformers import AutoTokenizer
+
+    from .pictures import token_split
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=True)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{ns.folder}: no tokenizer there ({error})") from error
+    return token_split(tokenizer, ns.text, ns.out)
+
+
+def _temperature(ns):
+    from .pictures import temperature
+
+    model, tokenizer = _load(ns.folder)
+    if model.config.is_encoder_decoder:
+        raise SystemExit(
+            "`picture temperature` draws a language model's next-token distribution; this is a translation model"
+        )
+    try:
+        return temperature(model, tokenizer, ns.text, ns.out, tuple(ns.temperatures), ns.top_k, ns.top_p)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from error
+
+
+def _curves(ns):
+    from .pictures import curves
+
+    try:
+        return curves(ns.folder, ns.out)
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from error

@@ -1,0 +1,112 @@
+"""Pictures of the parts, each drawn from the real code: the sinusoid the model adds, the split its
+tokenizer makes, the distribution its sampler draws from, and the curves its trainer wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .attention import pyplot
+
+
+def positional_encoding(path: str, positions: int = 64, dim: int = 128) -> str:
+    """Left: the table PE(pos, i) that `DerivSinusoidalPositionalEmbedding` adds (§3.5). Right: PE(p) . PE(q),
+    which depends only on |p - q|: nearby positions look alike, which attention can read as relative distance."""
+    from deriv_lm.modeling_deriv.modeling_deriv import sinusoidal_table
+
+    table = sinusoidal_table(positions, dim).float()
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=90)
+    image = left.imshow(table.numpy(), aspect="auto", cmap="RdBu", vmin=-1, vmax=1)
+    left.set_xlabel("dimension i")
+    left.set_ylabel("position")
+    left.set_title("PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)", fontsize=9)
+    fig.colorbar(image, ax=left)
+    image = right.imshow((table @ table.T).numpy(), cmap="viridis")
+    right.set_xlabel("position q")
+    right.set_ylabel("position p")
+    right.set_title("PE(p) . PE(q)", fontsize=9)
+    fig.colorbar(image, ax=right)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def token_split(tokenizer, text: str, path: str, per_line: int = 12) -> str:
+    """The text as the tokenizer splits it: one coloured box per token, its string above and its id below."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if not ids:
+        raise ValueError("The text is empty")
+    pieces = [tokenizer.decode([i]) for i in ids]
+    rows = [list(range(start, min(start + per_line, len(ids)))) for start in range(0, len(ids), per_line)]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(per_line * 0.95, 0.9 * len(rows) + 0.6), dpi=90)
+    colours = plt.get_cmap("tab20").colors
+    for r, row in enumerate(rows):
+        for c, k in enumerate(row):
+            y = len(rows) - 1 - r
+            ax.add_patch(plt.Rectangle((c, y + 0.1), 0.95, 0.8, color=colours[k % len(colours)], alpha=0.6))
+            ax.text(c + 0.47, y + 0.6, repr(pieces[k])[1:-1], ha="center", va="center", fontsize=8)
+            ax.text(c + 0.47, y + 0.25, str(ids[k]), ha="center", va="center", fontsize=7, color="#333333")
+    ax.set_xlim(0, per_line)
+    ax.set_ylim(0, len(rows))
+    ax.axis("off")
+    ax.set_title(f"{len(text)} characters -> {len(ids)} tokens ({len(text) / len(ids):.2f} characters per token)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+@torch.no_grad()
+def temperature(
+    model, tokenizer, text: str, path: str, temperatures=(0.5, 1.0, 2.0), top_k: int = 10, top_p: float = 0.9, show=20
+) -> str:
+    """softmax(logits / T) of the next token after `text` at several temperatures, the `show` likeliest tokens;
+    bars that transformers' top-k and top-p warpers would cut (at T = 1) are drawn hollow."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise ValueError("The text is empty")
+    if ids.shape[1] > model.config.max_position_embeddings:
+        raise ValueError(
+            f"The text is {ids.shape[1]} tokens long; the model reads at most {model.config.max_position_embeddings}"
+        )
+    logits = model(input_ids=ids.to(model.device)).logits[0, -1].float().cpu()
+    order = logits.argsort(descending=True)[:show]
+    labels = [repr(tokenizer.decode([int(i)]))[1:-1] for i in order]
+    kept_k = TopKLogitsWarper(top_k)(ids, logits[None].clone())[0].isfinite()
+    kept_p = TopPLogitsWarper(top_p)(ids, logits[None].clone())[0].isfinite()
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(4.2 * len(temperatures), 4.2), dpi=90, sharey=True)
+    for ax, t in zip(axes, temperatures, strict=True):
+        probs = torch.softmax(logits / t, dim=-1)[order]
+        for x, (p, i) in enumerate(zip(probs.tolist(), order.tolist(), strict=True)):
+            inside = bool(kept_k[i] and kept_p[i])
+            ax.bar(x, p, color="C0" if inside else "none", edgecolor="C0")
+        ax.set_xticks(range(len(order)), labels, rotation=90, fontsize=7)
+        ax.set_title(f"T = {t}", fontsize=10)
+    axes[0].set_ylabel(f"p(next token | {text!r})")
+    fig.suptitle(f"softmax(logits / T); hollow: cut by top-k={top_k} or top-p={top_p}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def curves(folder: str, path: str) -> str:
+    """The training and validation loss the trainer logged in `metrics.jsonl`, drawn again."""
+    from deriv_lm.training.export import plot_losses
+
+    metrics = os.path.join(folder, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        raise FileNotFoundError(f"{folder} has no metrics.jsonl: it was not written by `deriv train`")
+    with open(metrics, encoding="utf-8") as f:
+        history = [json.loads(line) for line in f if line.strip()]
+    pyplot()  # the clear error if matplotlib is missing
+    plot_losses(history, path)
+    return path
