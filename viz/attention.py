@@ -108,7 +108,8 @@ DPI = 90
 
 def plot_attention(maps: AttentionMaps, path: str, average: bool = False, layer_names: list[int] | None = None):
     """One row per layer, one panel per head (or one per layer when `average`), token strings on both axes;
-    where a query may not look (the causal mask) the weight is exactly zero and shows as the empty colour."""
+    where a query may not look (the causal mask) the weight is exactly zero and shows as the empty colour.
+    Returns the path and the number of panels drawn."""
     plt = pyplot()
     weights = maps.weights.mean(1, keepdim=True) if average else maps.weights
     n_layers, n_heads, n_q, n_k = weights.shape
@@ -127,8 +128,9 @@ def plot_attention(maps: AttentionMaps, path: str, average: bool = False, layer_
     fig.suptitle(f"{maps.kind} attention (rows: queries, columns: keys)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
+    panels = sum(1 for ax in fig.axes if ax.images)
     plt.close(fig)
-    return path
+    return path, panels
 
 
 def pyplot():

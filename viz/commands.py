@@ -78,7 +78,7 @@ def run_attention(ns: argparse.Namespace) -> int:
     for kind, m in chosen.items():
         stem, ext = os.path.splitext(ns.out)
         path = ns.out if len(chosen) == 1 else f"{stem}-{kind}{ext or '.png'}"
-        paths.append(plot_attention(m, path, average=ns.average, layer_names=layer_names))
+        paths.append(plot_attention(m, path, average=ns.average, layer_names=layer_names)[0])
     return _done(paths)
 
 
