@@ -13,9 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import tokenizer as bench_tokenizer
     from .bench import training as bench_training
     from .hub_card import commands as hub_commands
-    from .viz import commands as viz_commands
     from .tokenization import commands as tokenizer_commands
     from .training import commands as training_commands
+    from .viz import commands as viz_commands
 
     train = sub.add_parser(
         "train", help="train a model (lm: the decoder language model; translation: the encoder-decoder)"

@@ -49,7 +49,8 @@ def token_split(tokenizer, text: str, path: str, per_line: int = 12) -> str:
         for c, k in enumerate(row):
             y = len(rows) - 1 - r
             ax.add_patch(plt.Rectangle((c, y + 0.1), 0.95, 0.8, color=colours[k % len(colours)], alpha=0.6))
-            ax.text(c + 0.47, y + 0.6, repr(pieces[k])[1:-1], ha="center", va="center", fontsize=8)
+            # a space is part of the token that follows it (GPT-2 style): shown as a middle dot
+            ax.text(c + 0.47, y + 0.6, repr(pieces[k])[1:-1].replace(" ", "·"), ha="center", va="center", fontsize=8)
             ax.text(c + 0.47, y + 0.25, str(ids[k]), ha="center", va="center", fontsize=7, color="#333333")
     ax.set_xlim(0, per_line)
     ax.set_ylim(0, len(rows))
