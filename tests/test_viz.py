@@ -139,8 +139,10 @@ def test_bad_input_is_a_clear_error(lm_dir, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no cross attention"):
         main(["attention", str(lm_dir), "the quick", "--kind", "cross"])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    with pytest.raises(ImportError, match=r"pip install 'deriv-lm\[viz\]'"):
+    with pytest.raises(SystemExit, match=r"pip install 'deriv-lm\[viz\]'"):
         main(["picture", "positions", "--out", str(tmp_path / "p.png")])
+    with pytest.raises(SystemExit, match=r"Pictures need matplotlib"):
+        main(["attention", str(lm_dir), "the quick", "--out", str(tmp_path / "a.png")])
 
 
 def test_select_keeps_the_chosen_layers_and_heads():

@@ -18,7 +18,7 @@ def add_arguments(sub) -> None:
         "--kind", choices=["encoder", "decoder", "cross", "all"], default="all", help="translation: which attention"
     )
     att.add_argument("--out", default="attention.png", help="output PNG (translation: one file per kind, suffixed)")
-    att.set_defaults(func=run_attention)
+    att.set_defaults(func=_plotting(run_attention))
 
     pic = sub.add_parser("picture", help="pictures of the parts: positions, tokens, temperature, curves")
     kinds = pic.add_subparsers(dest="picture", required=True)
@@ -26,12 +26,12 @@ def add_arguments(sub) -> None:
     pos.add_argument("--positions", type=int, default=64)
     pos.add_argument("--dim", type=int, default=128)
     pos.add_argument("--out", default="positions.png")
-    pos.set_defaults(func=lambda ns: _done(_positions(ns)))
+    pos.set_defaults(func=_plotting(lambda ns: _done(_positions(ns))))
     tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text")
     tok.add_argument("folder")
     tok.add_argument("text")
     tok.add_argument("--out", default="tokens.png")
-    tok.set_defaults(func=lambda ns: _done(_tokens(ns)))
+    tok.set_defaults(func=_plotting(lambda ns: _done(_tokens(ns))))
     tmp = kinds.add_parser("temperature", help="next-token distribution at several temperatures, top-k/top-p marked")
     tmp.add_argument("folder")
     tmp.add_argument("text")
@@ -39,11 +39,23 @@ def add_arguments(sub) -> None:
     tmp.add_argument("--top-k", type=int, default=10)
     tmp.add_argument("--top-p", type=float, default=0.9)
     tmp.add_argument("--out", default="temperature.png")
-    tmp.set_defaults(func=lambda ns: _done(_temperature(ns)))
+    tmp.set_defaults(func=_plotting(lambda ns: _done(_temperature(ns))))
     cur = kinds.add_parser("curves", help="the training curves of a trained folder")
     cur.add_argument("folder")
     cur.add_argument("--out", default="curves.png")
-    cur.set_defaults(func=lambda ns: _done(_curves(ns)))
+    cur.set_defaults(func=_plotting(lambda ns: _done(_curves(ns))))
+
+
+def _plotting(draw):
+    """Run a drawing command; a missing matplotlib becomes the message that says how to install it."""
+
+    def run(ns: argparse.Namespace) -> int:
+        try:
+            return draw(ns)
+        except ImportError as error:
+            raise SystemExit(f"error: {error}") from error
+
+    return run
 
 
 def _done(paths) -> int:
