@@ -199,6 +199,11 @@ def test_beam_search_reorders_only_the_targets_cache(monkeypatch):
     # the cross-attention rows of one source's beams are equal, which is what makes skipping them exact
     keys = cache.cross_attention_cache.layers[0].keys.view(3, 3, *cache.cross_attention_cache.layers[0].keys.shape[1:])
     assert torch.equal(keys[:, :1].expand_as(keys), keys)
+    # and beams come out the same with a static cache and with no cache at all
+    kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6)
+    dynamic = model.generate(**sources(), **kwargs)
+    assert torch.equal(dynamic, model.generate(**sources(), **kwargs, cache_implementation="static"))
+    assert torch.equal(dynamic, model.generate(**sources(), **kwargs, use_cache=False))
 
 
 def test_bad_inputs_are_clear_errors():
