@@ -12,7 +12,6 @@ Deriv / GPT-2 ratio. Peak memory is measured in a fresh child process per model 
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -20,6 +19,8 @@ import sys
 import time
 
 import torch
+
+from .report import entry_point, side_by_side
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -260,23 +261,12 @@ def run(args) -> int:
         f"context {args.context}, vocab {args.vocab}; Deriv act={args.hidden_act}, "
         f"{'pre' if args.pre_norm else 'post'}-LN; threads={torch.get_num_threads()}, torch {torch.__version__}"
     )
-    print(title)
-    print(f"parameters: Deriv {params['deriv']:,}, GPT-2 {params['gpt2']:,}; fp32 matmul peak {peak:.0f} GFLOP/s")
-    print(f"| {'metric':<38} | {'Deriv':>10} | {'GPT-2':>10} | {'ratio':>6} | unit |")
-    print(f"|{'-' * 40}|{'-' * 12}:|{'-' * 12}:|{'-' * 7}:|------|")
-    for name, d, g, unit in rows:
-        print(f"| {name:<38} | {d:>10.1f} | {g:>10.1f} | {d / g:>6.2f} | {unit} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            keys = ("metric", "deriv", "gpt2", "unit")
-            json.dump({"title": title, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}, f, indent=2)
+    notes = [f"parameters: Deriv {params['deriv']:,}, GPT-2 {params['gpt2']:,}; fp32 matmul peak {peak:.0f} GFLOP/s"]
+    side_by_side(title, notes, rows, "GPT-2", "gpt2", args.json)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = entry_point(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ Deriv / Marian ratio. Peak tensor memory comes from the profiler's allocation ev
 """
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 from .decoder import peak_tensor_mib
+from .report import entry_point, side_by_side
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,23 +147,12 @@ def run(args) -> int:
         f"d_ff {args.ffn}, vocab {args.vocab}; batch {args.batch}, {args.source_len}+{args.target_len} tokens, "
         f"{args.new_tokens} new tokens; threads={torch.get_num_threads()}, torch {torch.__version__}"
     )
-    print(title)
-    print(f"parameters: Deriv {params['deriv']:,}, Marian {params['marian']:,}")
-    print(f"| {'metric':<40} | {'Deriv':>10} | {'Marian':>10} | {'ratio':>6} | unit |")
-    print(f"|{'-' * 42}|{'-' * 12}:|{'-' * 12}:|{'-' * 7}:|------|")
-    for name, d, m, unit in rows:
-        print(f"| {name:<40} | {d:>10.1f} | {m:>10.1f} | {d / m:>6.2f} | {unit} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            keys = ("metric", "deriv", "marian", "unit")
-            json.dump({"title": title, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}, f, indent=2)
+    notes = [f"parameters: Deriv {params['deriv']:,}, Marian {params['marian']:,}"]
+    side_by_side(title, notes, rows, "Marian", "marian", args.json)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = entry_point(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import json
 import statistics
 import time
 
+from .report import entry_point
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary for the whole-corpus run")
@@ -102,10 +104,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = entry_point(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import os
 import statistics
 import tempfile
 
+from .report import entry_point
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
@@ -70,10 +72,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = entry_point(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""What every benchmark shares: the side-by-side table (medians and the Deriv / peer ratio) and the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def side_by_side(title: str, notes: list[str], rows: list[tuple], peer: str, peer_key: str, json_path=None) -> None:
+    """Print `rows` of (metric, deriv, peer, unit) as a Markdown table with the ratio; optionally as JSON too."""
+    width = max([len("metric"), *(len(r[0]) for r in rows)])
+    print(title)
+    for note in notes:
+        print(note)
+    print(f"| {'metric':<{width}} | {'Deriv':>10} | {peer:>10} | {'ratio':>6} | unit |")
+    print(f"|{'-' * (width + 2)}|{'-' * 12}:|{'-' * 12}:|{'-' * 7}:|------|")
+    for name, ours, theirs, unit in rows:
+        print(f"| {name:<{width}} | {ours:>10.1f} | {theirs:>10.1f} | {ours / theirs:>6.2f} | {unit} |")
+    if json_path:
+        with open(json_path, "w") as f:
+            keys = ("metric", "deriv", peer_key, "unit")
+            json.dump({"title": title, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}, f, indent=2)
+
+
+def entry_point(doc: str, add_arguments, run):
+    """`main(argv)` for `python -m deriv_lm.bench.<name>`: parse with the module's arguments, then run."""
+
+    def main(argv=None) -> int:
+        parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(parser)
+        return run(parser.parse_args(argv))
+
+    return main
