@@ -11,7 +11,7 @@ import os
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .folder import ModelFolder, read_folder
+from .folder import ModelFolder, code_files, read_folder
 
 
 CITATION = """@inproceedings{vaswani2017attention,
@@ -275,7 +275,7 @@ nothing else needs to be installed.
 
 {_usage(folder, repo)}
 
-`trust_remote_code=True` runs the Python files in this repository (`{"`, `".join(_code_names(folder))}`); read them
+`trust_remote_code=True` runs the Python files in this repository (`{"`, `".join(code_files(folder))}`); read them
 first. The generation defaults are in `generation_config.json`.
 
 ## Intended use and limitations
@@ -289,12 +289,6 @@ first. The generation defaults are in `generation_config.json`.
 ```
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-
-
-def _code_names(folder: ModelFolder) -> list[str]:
-    from .folder import code_files
-
-    return code_files(folder)
 
 
 def _limitations(folder: ModelFolder) -> str:
