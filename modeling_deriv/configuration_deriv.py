@@ -57,7 +57,7 @@ class DerivConfig(PreTrainedConfig):
     """
 
     model_type = "deriv"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the KV cache, named either side of transformers 5.24
     attribute_map = {"n_positions": "max_position_embeddings", "d_model": "hidden_size"}
 
     vocab_size: int = 8192
@@ -120,7 +120,7 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
     """
 
     model_type = "deriv_seq2seq"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the KV cache, named either side of transformers 5.24
     # subtle: caches and `get_text_config(decoder=True)` read num_hidden_layers / num_attention_heads;
     # for the decoder's side the library rewrites decoder_* into the attributes these map to (as for BART).
     attribute_map = {

@@ -17,6 +17,7 @@ Where the code departs from the 2017 paper, on purpose:
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,31 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_deriv import DerivConfig
+
+
+# subtle: transformers 5.24 renamed the KV cache, as the forward argument and as the output field, from
+# `past_key_values` to `cache`: generate() passes `cache=` and reads `outputs.cache`. This file runs on both
+# sides of the rename (the installed package across its declared range, and the copy save_pretrained puts in
+# every exported folder, on whatever transformers a Hub user has), so forward() takes the cache under either
+# name and outputs carry it under the installed library's. The name is read off the library, not a version.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def take_cache(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """The cache however the caller named it: `cache`, or `past_key_values` (popped from `kwargs`), the name
+    before transformers 5.24 and deprecated after it, as it is for the library's own models."""
+    past_key_values = kwargs.pop("past_key_values", None)
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the KV cache once: as `cache`, or as `past_key_values` before transformers 5.24.")
+    if CACHE_NAME == "cache" and not torch.compiler.is_compiling():
+        warnings.warn(
+            "`past_key_values` was renamed `cache` in transformers 5.24 and will be removed; pass `cache` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return past_key_values
 
 
 def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
@@ -140,7 +166,7 @@ class DerivAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         key_value_states: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,28 +177,28 @@ class DerivAttention(nn.Module):
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, T, d_k)
 
         is_cross_attention = key_value_states is not None
-        cache = past_key_values
-        if isinstance(past_key_values, EncoderDecoderCache):
-            cache = (
-                past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
-            )
+        layer_cache = cache
+        if isinstance(cache, EncoderDecoderCache):
+            layer_cache = cache.cross_attention_cache if is_cross_attention else cache.self_attention_cache
         elif is_cross_attention:
-            cache = None  # cross-attention keys and values are kept only in an EncoderDecoderCache
-        if is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            layer_cache = None  # cross-attention keys and values are kept only in an EncoderDecoderCache
+        if is_cross_attention and layer_cache is not None and cache.is_updated.get(self.layer_idx):
             # The source does not change while the target grows: its keys and values were computed at
             # the first step and are reused at every later one.
-            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+            key, value = layer_cache.layers[self.layer_idx].keys, layer_cache.layers[self.layer_idx].values
         else:
             source = key_value_states if is_cross_attention else hidden_states
             source_shape = (*source.shape[:-1], -1, self.head_dim)  # (B, S, h, d_k)
             key = self.k_proj(source).view(source_shape).transpose(1, 2)  # (B, h, S, d_k)
             value = self.v_proj(source).view(source_shape).transpose(1, 2)
-            if cache is not None:
+            if layer_cache is not None:
                 # The KV cache: keys and values of earlier positions never change under a causal mask,
                 # so each step computes only the new ones and attends over all.  -> (B, h, S, d_k)
-                key, value = cache.update(key, value, self.layer_idx)
+                # `kwargs` goes along because a paged cache (continuous batching) fills in, for this layer,
+                # the arguments the attention kernel then reads.
+                key, value = layer_cache.update(key, value, self.layer_idx, kwargs=kwargs)
                 if is_cross_attention:
-                    past_key_values.is_updated[self.layer_idx] = True
+                    cache.is_updated[self.layer_idx] = True
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -230,13 +256,13 @@ class DerivDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
         hidden_states = self.residual(
             hidden_states,
             self.self_attn_layer_norm,
-            lambda x: self.self_attn(x, attention_mask, past_key_values, **kwargs)[0],
+            lambda x: self.self_attn(x, attention_mask, cache, **kwargs)[0],
         )
         return self.residual(hidden_states, self.final_layer_norm, self.mlp)
 
@@ -248,7 +274,7 @@ class DerivPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DerivDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -288,22 +314,25 @@ class DerivPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
 
 
-def check_inputs(input_ids: torch.LongTensor | None, past_seen: int, seq_len: int, config: DerivConfig) -> None:
-    """Fail early, naming the offending value, on ids outside [0, vocab_size) and on sequences longer than
-    the position table, instead of an index error deep inside. Skipped under torch.compile, where a
-    data-dependent branch would break the graph."""
+def check_inputs(input_ids: torch.LongTensor | None, position_ids: torch.LongTensor, config: DerivConfig) -> None:
+    """Fail early, naming the offending value, on ids outside [0, vocab_size) and on positions past the end of the
+    position table, instead of an index error deep inside. Skipped under torch.compile, where a data-dependent
+    branch would break the graph."""
     if torch.compiler.is_compiling():
         return
-    if past_seen + seq_len > config.max_position_embeddings:
-        raise ValueError(
-            f"Sequence of {past_seen + seq_len} tokens ({past_seen} cached + {seq_len} new) is longer than "
-            f"max_position_embeddings={config.max_position_embeddings}; truncate the input or lower max_new_tokens."
-        )
+    checks = [position_ids.max()]
     if input_ids is not None and input_ids.numel() > 0:
-        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
-        if low < 0 or high >= config.vocab_size:
-            bad = input_ids[(input_ids < 0) | (input_ids >= config.vocab_size)][0].item()
-            raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {config.vocab_size}).")
+        checks += torch.aminmax(input_ids)
+    last_position, *id_range = torch.stack(checks).tolist()  # one host sync for all three
+    if last_position >= config.max_position_embeddings:
+        raise ValueError(
+            f"Position {last_position} is past the end of the position table (max_position_embeddings="
+            f"{config.max_position_embeddings}): the sequence is longer than the model's context; truncate the "
+            "input or lower max_new_tokens."
+        )
+    if id_range and (id_range[0] < 0 or id_range[1] >= config.vocab_size):
+        bad = input_ids[(input_ids < 0) | (input_ids >= config.vocab_size)][0].item()
+        raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {config.vocab_size}).")
 
 
 class DerivModel(DerivPreTrainedModel):
@@ -327,40 +356,35 @@ class DerivModel(DerivPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        check_inputs(input_ids, past_seen, seq_len, self.config)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d)
-
+        cache = take_cache(cache, kwargs)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        tokens = input_ids if input_ids is not None else inputs_embeds
         if position_ids is None:
             # subtle: positions come from `position_ids` when given, because with left padding the
             # first real token of a row is not at index 0; generate() derives them from the mask.
-            position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_seen).unsqueeze(0)
+            past_seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past_seen).unsqueeze(0)
+        check_inputs(input_ids, position_ids, self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d)
 
         # M: causal (and padding) mask in the form the chosen attention kernel wants, or None
-        # when the kernel's own is_causal path is exact.
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        # when the kernel's own is_causal path is exact. (The cache goes fourth, where it stands under
+        # both of its names.)
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         hidden_states = self.dropout(inputs_embeds + self.embed_positions(position_ids))  # (B, T, d)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, causal_mask, past_key_values, **kwargs)
+            hidden_states = layer(hidden_states, causal_mask, cache, **kwargs)
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
 
 
 class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
@@ -384,7 +408,7 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -402,7 +426,7 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=take_cache(cache, kwargs),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -416,9 +440,9 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 

@@ -27,12 +27,14 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_deriv import DerivSeq2SeqConfig
 from .modeling_deriv import (
+    CACHE_NAME,
     DerivAttention,
     DerivDecoderLayer,
     DerivPreTrainedModel,
     DerivScaledWordEmbedding,
     check_inputs,
     position_embedding,
+    take_cache,
 )
 
 
@@ -72,19 +74,19 @@ class DerivSeq2SeqDecoderLayer(DerivDecoderLayer):
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,  # positional, for gradient checkpointing
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
         hidden_states = self.residual(
             hidden_states,
             self.self_attn_layer_norm,
-            lambda x: self.self_attn(x, attention_mask, past_key_values, **kwargs)[0],
+            lambda x: self.self_attn(x, attention_mask, cache, **kwargs)[0],
         )
         hidden_states = self.residual(
             hidden_states,
             self.encoder_attn_layer_norm,
             lambda x: self.encoder_attn(
-                x, encoder_attention_mask, past_key_values, key_value_states=encoder_hidden_states, **kwargs
+                x, encoder_attention_mask, cache, key_value_states=encoder_hidden_states, **kwargs
             )[0],
         )
         return self.residual(hidden_states, self.final_layer_norm, self.mlp)
@@ -106,12 +108,12 @@ def _embed(module, input_ids, inputs_embeds, past_seen: int, position_ids=None) 
     """Dropout(sqrt(d) E[tokens] + PE[positions]) for one side; positions continue after the cache."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds` (decoder: `decoder_input_ids` ...).")
-    seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-    check_inputs(input_ids, past_seen, seq_len, module.config)
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    if position_ids is None:
+        position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past_seen).unsqueeze(0)
+    check_inputs(input_ids, position_ids, module.config)
     if inputs_embeds is None:
         inputs_embeds = module.embed_tokens(input_ids)
-    if position_ids is None:
-        position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_seen).unsqueeze(0)
     return inputs_embeds, module.dropout(inputs_embeds + module.embed_positions(position_ids))
 
 
@@ -185,29 +187,22 @@ class DerivDecoder(DerivSeq2SeqStack):
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         if encoder_hidden_states is None:
             raise ValueError("The decoder attends to the encoder: pass `encoder_hidden_states`.")
-        if use_cache and past_key_values is None:
+        cache = take_cache(cache, kwargs)
+        if use_cache and cache is None:
             # Two caches: the target's own keys/values grow by one per step; the source's are filled once.
-            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        self_cache = (
-            past_key_values.self_attention_cache
-            if isinstance(past_key_values, EncoderDecoderCache)
-            else past_key_values
-        )
+            cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         past_seen = self_cache.get_seq_length() if self_cache is not None else 0
         inputs_embeds, hidden_states = _embed(self, input_ids, inputs_embeds, past_seen)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=self_cache,
-        )
+        # (The cache goes fourth, where it stands under both of its names.)
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, self_cache)
         cross_mask = create_bidirectional_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -220,11 +215,11 @@ class DerivDecoder(DerivSeq2SeqStack):
                 causal_mask,
                 encoder_hidden_states,
                 encoder_attention_mask=cross_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values
+            last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: cache if use_cache else None}
         )
 
 
@@ -257,7 +252,7 @@ class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
@@ -277,20 +272,20 @@ class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=take_cache(cache, kwargs),
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             **kwargs,
         )
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
+            **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
         )
 
 
@@ -308,18 +303,18 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.LongTensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
-    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
+    def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
         """Beam search keeps the best beams after each step, so the target's keys and values follow them.
 
         The source's are left where they are: `beam_idx` only moves rows among the beams of one source, and
         those rows hold the same encoder keys and values, so reordering them (what the library's cache does)
         would copy every cross-attention tensor at every step and change nothing.
         """
-        if isinstance(past_key_values, EncoderDecoderCache):
-            past_key_values.self_attention_cache.reorder_cache(beam_idx)
+        if isinstance(cache, EncoderDecoderCache):
+            cache.self_attention_cache.reorder_cache(beam_idx)
         else:
-            past_key_values.reorder_cache(beam_idx)
-        return past_key_values
+            cache.reorder_cache(beam_idx)
+        return cache
 
     @can_return_tuple
     def forward(
@@ -329,7 +324,7 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -356,7 +351,7 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=take_cache(cache, kwargs),
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
@@ -376,13 +371,13 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
 
 

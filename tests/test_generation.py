@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from deriv_lm import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+from deriv_lm.modeling_deriv.modeling_deriv import CACHE_NAME
 
 
 def prompt(batch=1, length=6, seed=0):
@@ -49,7 +50,8 @@ def test_static_cache_equals_dynamic(tiny_model):
 def test_explicit_dynamic_cache_object(tiny_model):
     x = prompt()
     cache = DynamicCache(config=tiny_model.config)
-    out = tiny_model.generate(x, past_key_values=cache, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    # generate() takes the cache by the installed transformers' name (`cache` from 5.24, `past_key_values` before)
+    out = tiny_model.generate(x, **{CACHE_NAME: cache}, max_new_tokens=5, do_sample=False, eos_token_id=None)
     assert cache.get_seq_length() == out.shape[1] - 1  # the last token is sampled but never fed back
 
 
@@ -281,9 +283,9 @@ def test_decode_step_compiles_as_one_graph_with_a_static_cache(tiny_model):
     caches = [StaticCache(config=tiny_model.config, max_cache_len=32) for _ in range(2)]
     with torch.no_grad():
         for cache in caches:
-            tiny_model(x, past_key_values=cache, use_cache=True)
+            tiny_model(x, cache=cache, use_cache=True)
         step = dict(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[8]]), use_cache=True)
-        eager = tiny_model(past_key_values=caches[0], **step).logits
+        eager = tiny_model(cache=caches[0], **step).logits
         # fullgraph=True fails on any graph break: what `_can_compile_fullgraph = True` promises.
         compiled = torch.compile(tiny_model.forward, fullgraph=True, backend="eager")
-        torch.testing.assert_close(compiled(past_key_values=caches[1], **step).logits, eager)
+        torch.testing.assert_close(compiled(cache=caches[1], **step).logits, eager)

@@ -7,6 +7,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, EncoderDecoderCache, pipeline
 
 from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
+from deriv_lm.modeling_deriv.modeling_deriv import CACHE_NAME
 from deriv_lm.modeling_deriv.modeling_deriv_seq2seq import shift_tokens_right
 from deriv_lm.modeling_deriv.pipeline_deriv import TASK, DerivTranslationPipeline
 
@@ -54,8 +55,9 @@ def test_shapes_and_outputs():
     out = model(**src, decoder_input_ids=decoder_input_ids, use_cache=True, output_attentions=True)
     assert out.logits.shape == (3, 5, 300)
     assert out.encoder_last_hidden_state.shape == (3, 9, 32)
-    assert isinstance(out.past_key_values, EncoderDecoderCache)
-    assert out.past_key_values.get_seq_length() == 5
+    cache = getattr(out, CACHE_NAME)  # `cache` from transformers 5.24, `past_key_values` before
+    assert isinstance(cache, EncoderDecoderCache)
+    assert cache.get_seq_length() == 5
     assert len(out.cross_attentions) == 2 and out.cross_attentions[0].shape == (3, 4, 5, 9)
     # the padded source positions get no cross-attention weight
     assert torch.all(out.cross_attentions[0][0, :, :, -3:] == 0)
@@ -194,7 +196,7 @@ def test_beam_search_reorders_only_the_targets_cache(monkeypatch):
     monkeypatch.setattr(DynamicLayer, "reorder_cache", spy)
     model = make_seq2seq()
     out = model.generate(**sources(), num_beams=3, max_new_tokens=6, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_NAME)
     assert reordered and set(reordered) == {id(layer) for layer in cache.self_attention_cache.layers}
     # the cross-attention rows of one source's beams are equal, which is what makes skipping them exact
     keys = cache.cross_attention_cache.layers[0].keys.view(3, 3, *cache.cross_attention_cache.layers[0].keys.shape[1:])
