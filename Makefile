@@ -1,28 +1,72 @@
-# Two commands on a fresh machine (see README.md): `make test` and, from the training issue on,
-# `make train`. Each sets itself up: a virtual environment in .venv with this package installed
-# in editable mode. Nothing is needed beforehand but python3 (>= 3.10) and make.
+# Two commands on a fresh machine (see README.md): `make test` and `make train`. Each sets itself up: a
+# virtual environment in .venv with this package installed in editable mode, every dependency at the version
+# pinned in constraints/lock.txt, so a newcomer gets exactly the set CI tested. Nothing is needed beforehand
+# but python3 (>= 3.11) and make.
+#
+# Three environments, one command each (CI runs all three, each in a fresh environment):
+#   make test          the locked set (constraints/lock.txt), in .venv
+#   make test-oldest   every dependency at the floor pyproject.toml declares (constraints/oldest.txt)
+#   make test-newest   the newest release of everything the registry offers, torch included
+# When the newest set passes, `make lock` moves the lock forward to it; `make test` then tests the new lock.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch is installed first and on its own, so that the build can be chosen: 2.13.0 is a CPU build
-# on the project's CI machines. Elsewhere pass e.g. TORCH=torch to take the newest build for you.
+# torch is installed first and on its own, so that the build can be chosen: 2.13.0 is a CPU build on the
+# project's CI machines. Elsewhere pass e.g. TORCH=torch to take the build that suits your machine.
 TORCH ?= torch==2.13.0
+LOCK := constraints/lock.txt
+OLDEST := constraints/oldest.txt
 STAMP := $(VENV)/.deriv-installed
+PIP := -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test train train-translation lint bench bench-seq2seq bench-tokenizer clean
+.PHONY: setup test test-oldest test-newest test-all lock train train-translation lint bench bench-seq2seq \
+	bench-tokenizer clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,viz]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) $(PIP) "$(TORCH)"
+	$(PY) $(PIP) -c $(LOCK) -e ".[dev,viz]"
 	touch $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The oldest set: torch 2.6 is a CUDA build from PyPI here (about 3 GB, a minute to install); the tests run
+# it on the CPU. Rebuilt whenever the floors or the package's requirements change.
+.venv-oldest/.deriv-installed: pyproject.toml $(OLDEST)
+	rm -rf .venv-oldest
+	$(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/python $(PIP) -c $(OLDEST) torch
+	.venv-oldest/bin/python $(PIP) -c $(OLDEST) -e ".[dev,viz]"
+	touch $@
+
+test-oldest: .venv-oldest/.deriv-installed
+	.venv-oldest/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The newest set, always built afresh. PIP_CONFIG_FILE=/dev/null sets aside pip's configuration files, so
+# that a machine-wide cap or local mirror (this project's CI machines cap torch at the builds on their disk)
+# does not hold back the newest releases.
+test-newest:
+	rm -rf .venv-newest
+	$(PYTHON) -m venv .venv-newest
+	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade pip
+	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) torch
+	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz]"
+	.venv-newest/bin/python -m pip freeze --exclude-editable > .venv-newest/freeze.txt
+	.venv-newest/bin/python -m pytest -q $(PYTEST_ARGS)
+
+test-all: test test-oldest test-newest
+
+# Moves the lock to the set test-newest just passed with: every package but torch and the CUDA libraries it
+# brings (torch is the build TORCH names) and the packaging tools. Keeps the lock's header. Run `make test` after.
+lock:
+	@test -f .venv-newest/freeze.txt || { echo "make lock: run make test-newest first"; exit 2; }
+	{ sed -n '1,/^$$/p' $(LOCK); grep -viE '^(torch|triton|nvidia-|cuda-|setuptools|pip)[=_-]' .venv-newest/freeze.txt; } \
+		> $(LOCK).new
+	mv $(LOCK).new $(LOCK)
 
 # The main job: a tokenizer and the `tiny` model on the embedded default corpus (minutes on 2 CPU cores).
 train: setup
@@ -45,4 +89,4 @@ bench-tokenizer: setup
 	$(VENV)/bin/deriv bench-tokenizer $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-oldest .venv-newest build *.egg-info .pytest_cache
