@@ -64,7 +64,7 @@ test-all: test test-oldest test-newest
 # brings (torch is the build TORCH names) and the packaging tools. Keeps the lock's header. Run `make test` after.
 lock:
 	@test -f .venv-newest/freeze.txt || { echo "make lock: run make test-newest first"; exit 2; }
-	{ sed -n '1,/^$$/p' $(LOCK); grep -viE '^(torch|triton|nvidia-|cuda-|setuptools|pip)[=_-]' .venv-newest/freeze.txt; } \
+	{ sed -n '1,/^$$/p' $(LOCK); grep -viE '^(torch|triton|setuptools|pip)==|^(nvidia|cuda)-' .venv-newest/freeze.txt; } \
 		> $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 
