@@ -20,27 +20,34 @@ import time
 
 import torch
 
-from .report import entry_point, side_by_side
+from ..arguments import integer
+from .report import check_json_path, entry_point, side_by_side
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=8, help="training batch size (sequences of --context tokens)")
-    parser.add_argument("--train-steps", type=int, default=8, help="timed training steps per model")
-    parser.add_argument("--prompt", type=int, default=32, help="prompt length for generation")
-    parser.add_argument("--new-tokens", type=int, default=128, help="greedy new tokens per generation")
-    parser.add_argument("--gen-batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--gen-repeats", type=int, default=7, help="timed generations per model and batch size")
+    parser.add_argument("--layers", type=integer(minimum=1), default=6)
+    parser.add_argument("--hidden", type=integer(minimum=1), default=384)
+    parser.add_argument("--heads", type=integer(minimum=1), default=6)
+    parser.add_argument("--context", type=integer(minimum=1), default=256)
+    parser.add_argument("--vocab", type=integer(minimum=1), default=8192)
+    parser.add_argument(
+        "--batch", type=integer(minimum=1), default=8, help="training batch size (sequences of --context tokens)"
+    )
+    parser.add_argument("--train-steps", type=integer(minimum=1), default=8, help="timed training steps per model")
+    parser.add_argument("--prompt", type=integer(minimum=1), default=32, help="prompt length for generation")
+    parser.add_argument("--new-tokens", type=integer(minimum=1), default=128, help="greedy new tokens per generation")
+    parser.add_argument("--gen-batches", type=integer(minimum=1), nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--gen-repeats", type=integer(minimum=1), default=7, help="timed generations per model and batch size"
+    )
     parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
     parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=integer(minimum=1), default=None, help="torch threads (default: torch's choice)"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     parser.add_argument(
-        "--memory-repeats", type=int, default=5, help="child processes per model and workload (median)"
+        "--memory-repeats", type=integer(minimum=1), default=5, help="child processes per model and workload (median)"
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -193,6 +200,7 @@ def peak_memory_mib(kind: str, workload, args) -> float:
 
 
 def run(args) -> int:
+    check_json_path(args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = ("deriv", "gpt2")

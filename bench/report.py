@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def side_by_side(title: str, notes: list[str], rows: list[tuple], peer: str, peer_key: str, json_path=None) -> None:
@@ -20,6 +21,12 @@ def side_by_side(title: str, notes: list[str], rows: list[tuple], peer: str, pee
         with open(json_path, "w") as f:
             keys = ("metric", "deriv", peer_key, "unit")
             json.dump({"title": title, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}, f, indent=2)
+
+
+def check_json_path(path: str | None) -> None:
+    """Refuse an output path whose folder does not exist before minutes of measuring, not after."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise FileNotFoundError(f"--json {path}: the folder {os.path.dirname(path) or '.'} does not exist")
 
 
 def entry_point(doc: str, add_arguments, run):

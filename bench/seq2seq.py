@@ -16,24 +16,29 @@ import time
 
 import torch
 
+from ..arguments import integer
 from .decoder import peak_tensor_mib
-from .report import entry_point, side_by_side
+from .report import check_json_path, entry_point, side_by_side
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=3, help="layers per side")
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--ffn", type=int, default=1536)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=8, help="pairs per training batch and sources per beam search")
-    parser.add_argument("--source-len", type=int, default=128)
-    parser.add_argument("--target-len", type=int, default=128)
-    parser.add_argument("--train-steps", type=int, default=16, help="timed training steps per model")
-    parser.add_argument("--beams", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per beam search")
-    parser.add_argument("--beam-repeats", type=int, default=5, help="timed beam searches per model")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--layers", type=integer(minimum=1), default=3, help="layers per side")
+    parser.add_argument("--hidden", type=integer(minimum=1), default=384)
+    parser.add_argument("--heads", type=integer(minimum=1), default=6)
+    parser.add_argument("--ffn", type=integer(minimum=1), default=1536)
+    parser.add_argument("--vocab", type=integer(minimum=1), default=8192)
+    parser.add_argument(
+        "--batch", type=integer(minimum=1), default=8, help="pairs per training batch and sources per beam search"
+    )
+    parser.add_argument("--source-len", type=integer(minimum=1), default=128)
+    parser.add_argument("--target-len", type=integer(minimum=1), default=128)
+    parser.add_argument("--train-steps", type=integer(minimum=1), default=16, help="timed training steps per model")
+    parser.add_argument("--beams", type=integer(minimum=1), default=4)
+    parser.add_argument("--new-tokens", type=integer(minimum=1), default=64, help="new tokens per beam search")
+    parser.add_argument("--beam-repeats", type=integer(minimum=1), default=5, help="timed beam searches per model")
+    parser.add_argument(
+        "--threads", type=integer(minimum=1), default=None, help="torch threads (default: torch's choice)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -107,6 +112,7 @@ def _timed(fn, kinds, repeats) -> dict[str, float]:
 
 
 def run(args) -> int:
+    check_json_path(args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = ("deriv", "marian")

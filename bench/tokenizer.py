@@ -16,14 +16,23 @@ import json
 import statistics
 import time
 
+from ..arguments import integer, number
+from ..tokenization.bpe import SMALLEST_VOCAB_SIZE
 from .report import entry_point
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary for the whole-corpus run")
-    parser.add_argument("--slice-mb", type=float, default=1.0, help="size of the slice the three trainers share")
-    parser.add_argument("--slice-vocab-size", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--vocab-size",
+        type=integer(minimum=SMALLEST_VOCAB_SIZE),
+        default=8192,
+        help="vocabulary for the whole-corpus run",
+    )
+    parser.add_argument(
+        "--slice-mb", type=number(above=0), default=1.0, help="size of the slice the three trainers share"
+    )
+    parser.add_argument("--slice-vocab-size", type=integer(minimum=SMALLEST_VOCAB_SIZE), default=2048)
+    parser.add_argument("--repeats", type=integer(minimum=1), default=3)
     parser.add_argument("--skip-naive", action="store_true", help="leave out the naive recount trainer")
 
 

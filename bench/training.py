@@ -16,13 +16,16 @@ import os
 import statistics
 import tempfile
 
+from ..arguments import integer
 from .report import entry_point
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--log-every", type=int, default=5)
+    from deriv_lm.training.args import PRESETS
+
+    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=["tiny", "small"])
+    parser.add_argument("--steps", type=integer(minimum=1), default=30)
+    parser.add_argument("--log-every", type=integer(minimum=1), default=5)
 
 
 def run(args: argparse.Namespace) -> int:

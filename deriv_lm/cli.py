@@ -1,11 +1,61 @@
-"""The `deriv` command: a thin argument parser over the package's rooms."""
+"""The `deriv` command: a thin argument parser over the package's rooms.
+
+Bad input ends in one line, `deriv: error: ...`, naming the flag, file or folder and what is allowed,
+and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead.
+"""
 
 import argparse
+import os
 import sys
 
 
+# What bad input raises in the rooms (a missing or unreadable file, a value out of range, a missing
+# column). Anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (ValueError, OSError, KeyError)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is one `--help` away) and the same prefix as ours."""
+
+    def error(self, message: str):
+        self.exit(2, f"deriv: error: {message} (see `{self.prog} --help`)\n")
+
+
+def bad_input(error: Exception) -> Exception | None:
+    """The error to report in one line if `error` is bad input; None if it is a bug (keep the traceback)."""
+    if type(error).__name__.startswith("StrictDataclass") and error.__cause__ is not None:
+        error = error.__cause__  # huggingface_hub's config validation wraps the config's own ValueError
+    return error if isinstance(error, EXPECTED_ERRORS) else None
+
+
+def one_line(error: BaseException | str) -> str:
+    if isinstance(error, KeyError) and error.args:
+        error = str(error.args[0])  # str(KeyError) adds quotes
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deriv", description=__doc__)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0")
+    try:
+        return args.func(args) or 0
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        error = stop.code
+    except Exception as caught:
+        error = bad_input(caught)
+        if error is None or debug:
+            raise
+    print(f"deriv: error: {one_line(error)}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="deriv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: DERIV_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from .bench import decoder as bench_decoder
@@ -47,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_training.add_arguments(bench_train)
     bench_train.set_defaults(func=bench_training.run)
 
-    args = parser.parse_args(argv)
-    return args.func(args) or 0
+    return parser
 
 
 if __name__ == "__main__":

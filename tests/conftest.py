@@ -63,3 +63,14 @@ def run_without_package(code: str, tmp_path, timeout: int = 300) -> subprocess.C
     from deriv_lm.hub_card.check import run_as_hub_user
 
     return run_as_hub_user(code, tmp_path, timeout=timeout)
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """Run `deriv argv` in this process; assert it refused with exit status 2 and return its `deriv: error:` line."""
+    from deriv_lm.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("deriv: error: "), line
+    return line

@@ -66,6 +66,28 @@ def test_stats_reports_vocabulary_and_characters_per_token(text_file, tmp_path, 
     assert "characters per token on" in stats
 
 
-def test_show_on_a_folder_that_is_not_a_tokenizer(tmp_path):
-    with pytest.raises(SystemExit, match="not a tokenizer folder"):
-        main(["tokenizer", "show", str(tmp_path), "hello"])
+def test_show_on_a_folder_that_is_not_a_tokenizer(tmp_path, capsys):
+    assert main(["tokenizer", "show", str(tmp_path), "hello"]) == 2
+    assert capsys.readouterr().err.startswith(f"deriv: error: {tmp_path}: not a tokenizer folder")
+
+
+@pytest.mark.parametrize("layout", ["dataset", "dataset_dict"])
+def test_a_folder_written_by_save_to_disk_is_a_dataset(tmp_path, capsys, layout):
+    """`--dataset` takes what `Dataset.save_to_disk` wrote, as it takes a Hub name (no network involved)."""
+    import datasets
+
+    from deriv_lm.tokenization.corpus import hub_corpus
+
+    rows = datasets.Dataset.from_dict({"text": [f"document number {i} of the saved corpus" for i in range(50)]})
+    saved = rows if layout == "dataset" else datasets.DatasetDict({"train": rows, "test": rows.select(range(5))})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    assert list(hub_corpus(str(tmp_path / "saved"))) == rows["text"]
+    assert list(hub_corpus(str(tmp_path / "saved"), streaming=True)) == rows["text"]
+    out = tmp_path / "tok"
+    argv = ["tokenizer", "train", "--dataset", str(tmp_path / "saved"), "--out", str(out), "--vocab-size", "300"]
+    assert main([*argv, "--no-progress"]) == 0
+    assert (out / "tokenizer.json").exists()
+    if layout == "dataset_dict":
+        capsys.readouterr()
+        assert main([*argv, "--split", "validation", "--no-progress"]) == 2
+        assert "has no split 'validation'; its splits are ['test', 'train']" in capsys.readouterr().err

@@ -358,7 +358,7 @@ def test_presets_and_bad_arguments(tmp_path):
     assert parse([]).hidden_size == 256 and parse(["--preset", "gpt2-124m"]).num_hidden_layers == 12
     with pytest.raises(ValueError, match="Unknown preset"):
         parse(["--preset", "huge"])
-    with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
+    with pytest.raises(ValueError, match="`batch_size` must be an integer >= 1"):
         parse(["--batch-size", "0"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_stepz: 3\n")
@@ -411,11 +411,10 @@ def test_generate_and_eval_commands(trained_run, corpus_file, capsys):
     assert line.startswith("perplexity ") and "window 32, stride 16" in line
 
 
-def test_generate_on_a_folder_that_is_not_a_model(tmp_path):
-    from deriv_lm.cli import main
+def test_generate_on_a_folder_that_is_not_a_model(tmp_path, capsys):
+    from conftest import cli_error
 
-    with pytest.raises(SystemExit, match="not a model folder"):
-        main(["generate", str(tmp_path), "hi"])
+    assert "not a model folder" in cli_error(["generate", str(tmp_path), "hi"], capsys)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed_zero2", "multinode", "cpu_two_processes"])

@@ -29,6 +29,9 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, BOS, EOS, *ROLE_TOKENS]
 BYTE_ALPHABET_SIZE = 256
+SMALLEST_VOCAB_SIZE = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
+# Far past any model's vocabulary (Gemma's is 256 k); a larger one makes the Rust trainer abort the process.
+LARGEST_VOCAB_SIZE = 1 << 20
 
 # One message per block: <|role|>\n content <eos>\n, after a single <bos>; an unknown role is an error.
 CHAT_TEMPLATE = (
@@ -89,16 +92,18 @@ def train_bpe(
             f"vocab_size={vocab_size} cannot hold the {BYTE_ALPHABET_SIZE} byte symbols and the "
             f"{len(special_tokens)} special tokens; use at least {smallest} (a few thousand is typical)."
         )
+    if vocab_size > LARGEST_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size} is larger than {LARGEST_VOCAB_SIZE}, more than any model uses")
     seen = {"documents": 0, "characters": 0}
 
     def counted(texts: Iterable[str]) -> Iterator[str]:
-        bar = tqdm(desc="reading corpus", unit=" chars", unit_scale=True, disable=not progress, mininterval=0.5)
-        for text in texts:
-            seen["documents"] += 1
-            seen["characters"] += len(text)
-            bar.update(len(text))
-            yield text
-        bar.close()
+        # `with`: a bad file raises inside the loop, and the bar must end its line before the error is printed
+        with tqdm(desc="reading corpus", unit=" chars", unit_scale=True, disable=not progress, mininterval=0.5) as bar:
+            for text in texts:
+                seen["documents"] += 1
+                seen["characters"] += len(text)
+                bar.update(len(text))
+                yield text
 
     tokenizer = byte_level_tokenizer(models.BPE())
     trainer = trainers.BpeTrainer(

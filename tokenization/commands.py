@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .bpe import save_tokenizer, special_tokens_with, train_bpe
+from ..arguments import integer, number
+from .bpe import LARGEST_VOCAB_SIZE, SMALLEST_VOCAB_SIZE, save_tokenizer, special_tokens_with, train_bpe
 from .corpus import Corpus, default_corpus, hub_corpus, local_corpus
 
 
@@ -35,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     train = sub.add_parser("train", help="train a byte-level BPE tokenizer and write a Hugging Face folder")
     train.add_argument("--out", required=True, help="folder to write (created; tokenizer files in it are replaced)")
-    train.add_argument("--vocab-size", type=int, default=8192, help="ids in the vocabulary (default: 8192)")
+    train.add_argument(
+        "--vocab-size",
+        type=integer(minimum=SMALLEST_VOCAB_SIZE, maximum=LARGEST_VOCAB_SIZE),
+        default=8192,
+        help="ids in the vocabulary (default: 8192)",
+    )
     train.add_argument(
         "--special-token",
         action="append",
@@ -43,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKEN",
         help="an extra special token (repeatable), after <pad> <bos> <eos> and the role tokens",
     )
-    train.add_argument("--model-max-length", type=int, default=1024, help="longest input the model will accept")
+    train.add_argument(
+        "--model-max-length", type=integer(minimum=1), default=1024, help="longest input the model will accept"
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_corpus_arguments(train)
     train.set_defaults(func=run_train)
@@ -56,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stats = sub.add_parser("stats", help="vocabulary statistics, and characters per token on a sample")
     stats.add_argument("folder", help="a tokenizer (or model) folder")
     stats.add_argument(
-        "--sample-mb", type=float, default=0.5, help="MB of the corpus to measure characters per token on"
+        "--sample-mb", type=number(above=0), default=0.5, help="MB of the corpus to measure characters per token on"
     )
     add_corpus_arguments(stats)
     stats.set_defaults(func=run_stats)
@@ -105,10 +114,12 @@ def run_train(args: argparse.Namespace) -> int:
 def _load(folder: str):
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(folder):
+        raise SystemExit(f"{folder}: no such tokenizer folder")
     try:
         return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"{folder}: not a tokenizer folder ({error})") from error
+    except Exception as error:  # a corrupt file fails in many ways, all of them "this folder is not usable"
+        raise SystemExit(f"{folder}: not a tokenizer folder ({' '.join(str(error).split())})") from error
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -125,7 +136,10 @@ def run_stats(args: argparse.Namespace) -> int:
     tokenizer = _load(args.folder)
     stats = vocabulary_stats(tokenizer)
     corpus = corpus_from_args(args)
+    sample = [text for text in _sample(corpus, args.sample_mb) if text]
+    if not sample:
+        raise SystemExit(f"{corpus.description} has no text to measure characters per token on")
     stats["sample"] = f"{args.sample_mb} MB of {corpus.description}"
-    stats["characters_per_token"] = characters_per_token(tokenizer, _sample(corpus, args.sample_mb))
+    stats["characters_per_token"] = characters_per_token(tokenizer, sample)
     print(format_stats(stats))
     return 0

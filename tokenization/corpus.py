@@ -167,10 +167,40 @@ def local_corpus(paths: str | list[str], text_column: str = "text") -> Corpus:
     return Corpus(f"local: {len(files)} file(s) from {paths}", documents, tuple(files))
 
 
-def load_hub_dataset(name: str, config: str | None, split: str, streaming: bool = False):
-    """`datasets.load_dataset`, with an error that says what failed and what to do instead."""
+def _is_saved_dataset(folder: str) -> bool:
+    """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
+    return any(os.path.exists(os.path.join(folder, name)) for name in ("dataset_dict.json", "state.json"))
+
+
+def load_saved_dataset(folder: str, split: str, streaming: bool = False):
+    """`datasets.load_from_disk`, and the split asked for when the folder holds several."""
     import datasets
 
+    try:
+        dataset = datasets.load_from_disk(folder)
+    except Exception as error:  # a torn or foreign folder: name it
+        raise ValueError(f"{folder}: cannot be read with datasets.load_from_disk ({error})") from error
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise KeyError(f"{folder} has no split {split!r}; its splits are {sorted(dataset)}")
+        dataset = dataset[split]
+    return dataset.to_iterable_dataset() if streaming else dataset
+
+
+def load_hub_dataset(name: str, config: str | None, split: str, streaming: bool = False):
+    """`datasets.load_dataset` (a Hub name, or a local folder of data files), or `load_from_disk` for a folder
+    that `save_to_disk` wrote; with an error that says what failed and what to do instead."""
+    import datasets
+
+    if os.path.isdir(name) and _is_saved_dataset(name):
+        return load_saved_dataset(name, split, streaming)
+    if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)):
+        raise FileNotFoundError(f"No such dataset folder: {name}")
+    if os.path.isdir(name):
+        try:
+            return datasets.load_dataset(name, config, split=split, streaming=streaming)
+        except Exception as error:
+            raise ValueError(f"{name}: datasets cannot read this folder ({' '.join(str(error).split())})") from error
     try:
         return datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as error:

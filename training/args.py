@@ -11,6 +11,27 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from ..arguments import check_range, integer, number
+
+
+POSITIVE_INTEGERS = (
+    "context_length",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "save_every",
+    "keep_checkpoints",
+    "num_beams",
+)
+OPTIONAL_POSITIVE_INTEGERS = ("encoder_layers", "decoder_layers", "bleu_pairs", "max_documents", "num_proc")
+
 
 @dataclass
 class TrainingArguments:
@@ -73,46 +94,48 @@ class TrainingArguments:
     bleu_pairs: int | None = None  # translation: score BLEU on at most this many test pairs (None: all)
     progress: bool = True
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self) -> None:
-        positive = [
-            "vocab_size",
-            "context_length",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "batch_size",
-            "gradient_accumulation_steps",
-            "max_steps",
-            "log_every",
-            "eval_every",
-            "eval_batches",
-            "save_every",
-            "keep_checkpoints",
-            "num_beams",
-        ]
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-        if not 0.0 < self.validation_fraction < 1.0:
-            raise ValueError(f"`validation_fraction` must lie in (0, 1), got {self.validation_fraction}")
+        """Every value's range, in one place: flags, config files and the Python API all pass through here,
+        before any work starts."""
+        from deriv_lm.modeling_deriv.configuration_deriv import HIDDEN_ACTS
+        from deriv_lm.tokenization.bpe import LARGEST_VOCAB_SIZE, SMALLEST_VOCAB_SIZE
+
+        for name in POSITIVE_INTEGERS:
+            check_range(name, getattr(self, name), minimum=1, integral=True)
+        for name in OPTIONAL_POSITIVE_INTEGERS:
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name), minimum=1, integral=True)
+        for name in ("warmup_steps", "seed", "samples"):
+            check_range(name, getattr(self, name), minimum=0, integral=True)
+        check_range(
+            "vocab_size", self.vocab_size, minimum=SMALLEST_VOCAB_SIZE, maximum=LARGEST_VOCAB_SIZE, integral=True
+        )
+        check_range("learning_rate", self.learning_rate, above=0)
+        check_range("max_grad_norm", self.max_grad_norm, above=0)  # clipping to a negative norm ascends
+        check_range("min_lr_ratio", self.min_lr_ratio, minimum=0, maximum=1)
+        check_range("weight_decay", self.weight_decay, minimum=0)
+        check_range("validation_fraction", self.validation_fraction, above=0, below=1)
+        for name in ("dropout", "label_smoothing", "adam_beta1", "adam_beta2"):
+            check_range(name, getattr(self, name), minimum=0, below=1)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads}): each head gets hidden_size / heads dimensions"
+            )
+        choices = {
+            "hidden_act": HIDDEN_ACTS,
+            "mixed_precision": ("auto", "no", "bf16", "fp16"),
+            "report_to": ("none", "tensorboard"),
+            "lr_schedule": ("cosine", "inverse_sqrt"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.files and self.dataset:
             raise ValueError("Pass either `files` or `dataset`, not both")
-        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
-            raise ValueError(f"`mixed_precision` must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
-        if self.report_to not in ("none", "tensorboard"):
-            raise ValueError(f"`report_to` must be none or tensorboard, got {self.report_to!r}")
-        if self.lr_schedule not in ("cosine", "inverse_sqrt"):
-            raise ValueError(f"`lr_schedule` must be cosine or inverse_sqrt, got {self.lr_schedule!r}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"`label_smoothing` must lie in [0, 1), got {self.label_smoothing}")
-        for name in ("encoder_layers", "decoder_layers", "bleu_pairs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"`learning_rate` must be positive, got {self.learning_rate}")
 
     @property
     def checkpoint_dir(self) -> str:
@@ -219,23 +242,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif kind.startswith("list"):
             parser.add_argument(flag, nargs="+", default=None)
         else:
-            convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+            convert = integer() if kind.startswith("int") else number() if kind.startswith("float") else str
             parser.add_argument(flag, type=convert, default=None)
 
 
 def load_config_file(path: str) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"No such config file: {path}")
-    with open(path, encoding="utf-8") as f:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
+    import yaml
 
-            values = yaml.safe_load(f) or {}
-        else:
-            values = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = (yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)) or {}
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        kind = "YAML" if path.endswith((".yaml", ".yml")) else "JSON"
+        raise ValueError(f"{path}: not valid {kind} ({' '.join(str(error).split())})") from error
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of argument names to values")
-    return values
+    kinds = {f.name: f.type for f in dataclasses.fields(TrainingArguments)}
+    unknown = sorted(set(values) - set(kinds))
+    if unknown:
+        raise ValueError(f"{path}: unknown training arguments {unknown}")
+    return {name: _from_file(path, name, value, kinds[name]) for name, value in values.items()}
+
+
+def _from_file(path: str, name: str, value, kind: str):
+    """A config file's value as the field's type. YAML 1.1 reads `3e-4` (no dot) as a string, so a
+    float field accepts the text of a number; anything else of the wrong type is refused by name."""
+    optional = kind.endswith("| None")
+    kind = kind.removesuffix(" | None")
+    if value is None and optional:
+        return None
+    if kind == "float" and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind.startswith("list") and isinstance(value, str):
+        return [value]
+    ok = {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+    }.get(kind, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+    if not ok(value):
+        wanted = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "text"}.get(
+            kind, "a list of text"
+        )
+        raise ValueError(f"{path}: `{name}` must be {wanted}, got {value!r}")
+    return value
 
 
 def from_namespace(namespace: argparse.Namespace, presets: dict[str, dict] = PRESETS) -> TrainingArguments:
@@ -243,12 +299,7 @@ def from_namespace(namespace: argparse.Namespace, presets: dict[str, dict] = PRE
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     given = {k: v for k, v in vars(namespace).items() if k in names and v is not None}
     from_file = load_config_file(namespace.config) if getattr(namespace, "config", None) else {}
-    unknown = set(from_file) - names
-    if unknown:
-        raise ValueError(f"{namespace.config}: unknown training arguments {sorted(unknown)}")
     preset = given.get("preset", from_file.get("preset", "tiny"))
     if preset not in presets:
         raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(presets)}")
-    args = TrainingArguments(**{**presets[preset], **from_file, **given, "preset": preset})
-    args.validate()
-    return args
+    return TrainingArguments(**{**presets[preset], **from_file, **given, "preset": preset})

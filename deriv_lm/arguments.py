@@ -1,0 +1,88 @@
+"""Argument types for the `deriv` commands: a numeric flag states its range once, where it is declared.
+
+    parser.add_argument("--num-beams", type=integer(minimum=1))
+    parser.add_argument("--top-p", type=number(above=0, maximum=1))
+
+argparse calls the type on the text of the flag, so a value outside its range is refused before any
+work starts, as `deriv: error: argument --num-beams: must be an integer >= 1, got '0'`. Only finite
+numbers pass (`nan` and `inf` are refused: no range means anything for them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def _bounds(minimum, maximum, above, below) -> str:
+    parts = []
+    if minimum is not None:
+        parts.append(f">= {minimum}")
+    if above is not None:
+        parts.append(f"> {above}")
+    if maximum is not None:
+        parts.append(f"<= {maximum}")
+    if below is not None:
+        parts.append(f"< {below}")
+    return " and ".join(parts)
+
+
+def _within(value, minimum, maximum, above, below) -> bool:
+    return not (
+        (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+        or (above is not None and value <= above)
+        or (below is not None and value >= below)
+    )
+
+
+def integer(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number within [minimum, maximum] (either end may be open)."""
+    wanted = " ".join(filter(None, ["an integer", _bounds(minimum, maximum, None, None)]))
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if not _within(value, minimum, maximum, None, None):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    above: float | None = None,
+    below: float | None = None,
+) -> Callable[[str], float]:
+    """An argparse type: a finite number within the bounds (`minimum`/`maximum` inclusive, `above`/`below` not)."""
+    wanted = " ".join(filter(None, ["a number", _bounds(minimum, maximum, above, below)]))
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if not math.isfinite(value) or not _within(value, minimum, maximum, above, below):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def check_range(name: str, value, *, minimum=None, maximum=None, above=None, below=None, integral=False) -> None:
+    """The same rule for values that do not come through argparse (config files, the Python API):
+    raise ValueError naming `name` and the range when `value` lies outside it."""
+    kind = "an integer" if integral else "a number"
+    wanted = " ".join(filter(None, [kind, _bounds(minimum, maximum, above, below)]))
+    if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+        raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
+    if not math.isfinite(value) or not _within(value, minimum, maximum, above, below):
+        raise ValueError(f"`{name}` must be {wanted}, got {value!r}")

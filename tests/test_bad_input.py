@@ -1,0 +1,436 @@
+"""Every `deriv` command against a table of bad input: files, numbers, flags, folders and prompts.
+
+For each case the command must exit with status 2 and print exactly one line on stderr, starting
+`deriv: error:`, that names what is wrong; no traceback; and no folder it was pointed at (the trained
+folders, the tokenizer) may change, nor may an output folder be left behind. The commands run in this
+process (`deriv_lm.cli.main`), so a case that ends in an unexpected exception fails with its traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from deriv_lm.cli import main
+
+
+# ---- the inputs the table points at ----------------------------------------------------------------
+
+TINY_LM = ["--vocab-size", "300", "--context-length", "32", "--hidden-size", "32", "--num-hidden-layers", "1"]
+TINY_LM += ["--num-attention-heads", "2", "--intermediate-size", "64", "--batch-size", "4", "--max-steps", "2"]
+TINY_LM += ["--warmup-steps", "1", "--eval-every", "2", "--eval-batches", "1", "--save-every", "2", "--samples", "1"]
+TINY_LM += ["--num-proc", "1", "--no-progress", "--cpu"]
+TINY_MT = ["--vocab-size", "300", "--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1"]
+TINY_MT += ["--num-attention-heads", "2", "--intermediate-size", "64", "--batch-size", "8", "--max-steps", "2"]
+TINY_MT += ["--warmup-steps", "1", "--eval-every", "2", "--save-every", "2", "--num-beams", "2", "--samples", "1"]
+TINY_MT += ["--no-progress", "--cpu"]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    """Good folders (a language model, a translation model, a tokenizer) and bad files, by placeholder name."""
+    from deriv_lm.tokenization import default_corpus
+
+    root = tmp_path_factory.mktemp("bad_input")
+    p = {"tmp": str(root)}
+
+    corpus = root / "corpus.jsonl"
+    with open(corpus, "w") as f:
+        for i, doc in enumerate(default_corpus()):
+            if i >= 40:
+                break
+            f.write(json.dumps({"text": doc}) + "\n")
+    p["corpus"] = str(corpus)
+    pairs = root / "pairs.tsv"
+    pairs.write_text("".join(f"open file {n}\töffne Datei {n}\n" for n in range(80)), encoding="utf-8")
+    p["pairs"] = str(pairs)
+
+    common = ["--cache-dir", str(root / "cache")]
+    assert main(["train", "lm", "--files", p["corpus"], "--output-dir", str(root / "lm"), *common, *TINY_LM]) == 0
+    assert main(["train", "translation", "--files", p["pairs"], "--output-dir", str(root / "mt"), *TINY_MT]) == 0
+    assert main(["tokenizer", "train", "--files", p["corpus"], "--out", str(root / "tok"), "--vocab-size", "300"]) == 0
+    p.update(lm=str(root / "lm"), mt=str(root / "mt"), tok=str(root / "tok"))
+
+    def write(name: str, content: str | bytes) -> str:
+        path = root / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+        return str(path)
+
+    p["empty"] = write("empty.txt", "")
+    p["blank"] = write("blank.txt", " \n\n\t\n")
+    p["latin1"] = write("latin1.txt", "Grüße aus Köln\n".encode("latin-1"))
+    p["latin1_tsv"] = write("latin1.tsv", "hello\tGrüße\n".encode("latin-1") * 20)
+    p["nocol"] = write("nocol.jsonl", "".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(20)))
+    p["badjson"] = write("bad.jsonl", '{"text": "ok"}\n{"text": \n')
+    p["onecol"] = write("onecol.tsv", "".join(f"no tab here {i}\n" for i in range(20)))
+    p["empty_tsv"] = write("empty.tsv", "")
+    p["nocol_csv"] = write("nocol.csv", "a,b\n1,2\n")
+    p["missing"] = str(root / "no-such-file.txt")
+    p["missing_dir"] = str(root / "no-such-folder")
+    p["a_file"] = write("a-file.txt", "not a folder\n")
+    os.makedirs(root / "emptydir")
+    p["emptydir"] = str(root / "emptydir")
+    p["yaml_lr_word"] = write("lr_word.yaml", "learning_rate: fast\n")
+    p["yaml_syntax"] = write("syntax.yaml", "max_steps: [1, 2\n")
+    p["yaml_list"] = write("list.yaml", "- max_steps\n- 3\n")
+    p["yaml_unknown"] = write("unknown.yaml", "max_stepz: 3\n")
+    p["yaml_steps_word"] = write("steps_word.yaml", "max_steps: many\n")
+    p["yaml_bool_word"] = write("bool_word.yaml", "pre_norm: maybe\n")
+    p["yaml_float_steps"] = write("float_steps.yaml", "max_steps: 2.5\n")
+    p["json_bad"] = write("bad.json", "{max_steps: 3}")
+    p["yaml_missing"] = str(root / "no-such-config.yaml")
+
+    # broken copies of the language model folder
+    def broken(name: str, source: str, edit) -> str:
+        target = root / name
+        shutil.copytree(source, target)
+        edit(target)
+        return str(target)
+
+    p["lm_bad_config"] = broken("lm_bad_config", p["lm"], lambda t: (t / "config.json").write_text("{not json"))
+    p["lm_alien_type"] = broken(
+        "lm_alien_type",
+        p["lm"],
+        lambda t: (t / "config.json").write_text(json.dumps({"model_type": "not_deriv_at_all"})),
+    )
+
+    def truncate(t):
+        weights = t / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+
+    p["lm_truncated"] = broken("lm_truncated", p["lm"], truncate)
+    p["lm_no_weights"] = broken("lm_no_weights", p["lm"], lambda t: (t / "model.safetensors").unlink())
+    p["lm_bad_tokenizer"] = broken("lm_bad_tokenizer", p["lm"], lambda t: (t / "tokenizer.json").write_text("[]"))
+    p["long_prompt"] = "word " * 200  # far past the 32-token context
+    return p
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+OUT = "{tmp}/out"  # every command that writes is pointed here; it must not exist afterwards
+
+TOKENIZER_TRAIN = [
+    ["--files", "{missing}"],
+    ["--files", "{empty}"],
+    ["--files", "{blank}"],
+    ["--files", "{latin1}"],
+    ["--files", "{emptydir}"],
+    ["--files", "{nocol}"],
+    ["--files", "{badjson}"],
+    ["--files", "{nocol_csv}"],
+    ["--vocab-size", "100"],
+    ["--vocab-size", "0"],
+    ["--vocab-size", "-5"],
+    ["--vocab-size", "1000000000"],
+    ["--vocab-size", "abc"],
+    ["--model-max-length", "0"],
+    ["--model-max-length", "-1"],
+    ["--special-token", ""],
+    ["--special-token", " "],
+    ["--dataset", "{missing_dir}"],
+    ["--dataset", "{emptydir}"],
+    ["--files", "{corpus}", "--dataset", "{emptydir}"],
+    ["--files", "{corpus}", "--text-column", "body"],
+]
+TOKENIZER_TRAIN_CASES = [["tokenizer", "train", "--out", OUT, *case] for case in TOKENIZER_TRAIN]
+TOKENIZER_TRAIN_CASES += [
+    ["tokenizer", "train", "--files", "{corpus}"],  # no --out
+    ["tokenizer", "train", "--files", "{corpus}", "--out", "{a_file}"],
+]
+
+TOKENIZER_USE_CASES = [
+    ["tokenizer", "show", "{missing_dir}", "text"],
+    ["tokenizer", "show", "{emptydir}", "text"],
+    ["tokenizer", "show", "{a_file}", "text"],
+    ["tokenizer", "show", "{lm_bad_tokenizer}", "text"],
+    ["tokenizer", "stats", "{missing_dir}"],
+    ["tokenizer", "stats", "{tok}", "--sample-mb", "0"],
+    ["tokenizer", "stats", "{tok}", "--sample-mb", "-1"],
+    ["tokenizer", "stats", "{tok}", "--sample-mb", "nan"],
+    ["tokenizer", "stats", "{tok}", "--files", "{missing}"],
+    ["tokenizer", "stats", "{tok}", "--files", "{empty}"],
+    ["tokenizer", "stats", "{tok}", "--files", "{latin1}"],
+]
+
+# flags that are wrong for both training tasks
+TRAIN_FLAGS = [
+    ["--max-grad-norm", "-1"],
+    ["--max-grad-norm", "0"],
+    ["--max-grad-norm", "nan"],
+    ["--min-lr-ratio", "-0.1"],
+    ["--min-lr-ratio", "1.5"],
+    ["--weight-decay", "-0.1"],
+    ["--warmup-steps", "-1"],
+    ["--learning-rate", "0"],
+    ["--learning-rate", "-1"],
+    ["--learning-rate", "nan"],
+    ["--learning-rate", "inf"],
+    ["--dropout", "1.0"],
+    ["--dropout", "-0.1"],
+    ["--adam-beta1", "1.0"],
+    ["--adam-beta2", "-0.1"],
+    ["--batch-size", "0"],
+    ["--max-steps", "0"],
+    ["--context-length", "0"],
+    ["--hidden-size", "30", "--num-attention-heads", "4"],
+    ["--num-attention-heads", "0"],
+    ["--num-hidden-layers", "0"],
+    ["--intermediate-size", "0"],
+    ["--vocab-size", "100"],
+    ["--vocab-size", "1000000000"],
+    ["--validation-fraction", "0"],
+    ["--validation-fraction", "1"],
+    ["--label-smoothing", "1"],
+    ["--label-smoothing", "-0.1"],
+    ["--mixed-precision", "fp8"],
+    ["--report-to", "wandb"],
+    ["--lr-schedule", "linear"],
+    ["--hidden-act", "swishy"],
+    ["--preset", "huge"],
+    ["--seed", "-1"],
+    ["--num-proc", "0"],
+    ["--eval-batches", "0"],
+    ["--keep-checkpoints", "0"],
+    ["--log-every", "0"],
+    ["--eval-every", "0"],
+    ["--save-every", "-1"],
+    ["--samples", "-1"],
+    ["--gradient-accumulation-steps", "0"],
+    ["--num-beams", "0"],
+    ["--encoder-layers", "0"],
+    ["--decoder-layers", "-1"],
+    ["--bleu-pairs", "0"],
+    ["--max-steps", "abc"],
+    ["--batch-size", "1.5"],
+    ["--no-such-flag"],
+    ["--config", "{yaml_missing}"],
+    ["--config", "{yaml_syntax}"],
+    ["--config", "{yaml_list}"],
+    ["--config", "{yaml_unknown}"],
+    ["--config", "{yaml_steps_word}"],
+    ["--config", "{yaml_bool_word}"],
+    ["--config", "{yaml_lr_word}"],
+    ["--config", "{yaml_float_steps}"],
+    ["--config", "{json_bad}"],
+    ["--tokenizer", "{missing_dir}"],
+    ["--tokenizer", "{emptydir}"],
+    ["--dataset", "{missing_dir}"],
+]
+TRAIN_LM_CASES = [["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags] for flags in TRAIN_FLAGS]
+TRAIN_LM_CASES += [
+    ["train", "lm", "--output-dir", OUT, "--files", name, *TINY_LM]
+    for name in ("{missing}", "{empty}", "{blank}", "{latin1}", "{nocol}", "{emptydir}", "{badjson}")
+]
+TRAIN_LM_CASES += [
+    ["train", "lm", "--files", "{corpus}", "--output-dir", "{a_file}", *TINY_LM],
+    ["train", "lm", "--files", "{corpus}", "--max-documents", "0", "--output-dir", OUT],
+]
+TRAIN_MT_CASES = [
+    ["train", "translation", "--files", "{pairs}", "--output-dir", OUT, *flags]
+    for flags in TRAIN_FLAGS
+    if flags[0] not in ("--files", "--max-steps")  # keep the table's size sensible
+]
+TRAIN_MT_CASES += [
+    ["train", "translation", "--output-dir", OUT, "--files", name, *TINY_MT]
+    for name in ("{missing}", "{empty_tsv}", "{onecol}", "{latin1_tsv}", "{emptydir}")
+]
+
+GENERATE_CASES = [
+    ["generate", "{missing_dir}", "hello"],
+    ["generate", "{emptydir}", "hello"],
+    ["generate", "{a_file}", "hello"],
+    ["generate", "{mt}", "hello"],
+    ["generate", "{lm_bad_config}", "hello"],
+    ["generate", "{lm_alien_type}", "hello"],
+    ["generate", "{lm_truncated}", "hello"],
+    ["generate", "{lm_no_weights}", "hello"],
+    ["generate", "{lm}", "hello", "--num-beams", "0"],
+    ["generate", "{lm}", "hello", "--num-beams", "-1"],
+    ["generate", "{lm}", "hello", "--max-new-tokens", "0"],
+    ["generate", "{lm}", "hello", "--max-new-tokens", "-5"],
+    ["generate", "{lm}", "hello", "--temperature", "-1"],
+    ["generate", "{lm}", "hello", "--temperature", "nan"],
+    ["generate", "{lm}", "hello", "--temperature", "abc"],
+    ["generate", "{lm}", "hello", "--top-k", "-1"],
+    ["generate", "{lm}", "hello", "--top-p", "0"],
+    ["generate", "{lm}", "hello", "--top-p", "1.5"],
+    ["generate", "{lm}", "hello", "--repetition-penalty", "0"],
+    ["generate", "{lm}", "hello", "--repetition-penalty", "-1"],
+    ["generate", "{lm}", "hello", "--presence-penalty", "nan"],
+    ["generate", "{lm}", "hello", "--seed", "-1"],
+    ["generate", "{lm}", "{long_prompt}"],
+    ["generate", "{lm}"],
+]
+TRANSLATE_CASES = [
+    ["translate", "{missing_dir}", "hello"],
+    ["translate", "{lm}", "hello"],
+    ["translate", "{emptydir}", "hello"],
+    ["translate", "{mt}", "hello", "--num-beams", "0"],
+    ["translate", "{mt}", "hello", "--num-return-sequences", "0"],
+    ["translate", "{mt}", "hello", "--num-return-sequences", "3", "--num-beams", "2"],
+    ["translate", "{mt}", "hello", "--max-new-tokens", "0"],
+    ["translate", "{mt}", "hello", "--length-penalty", "nan"],
+    ["translate", "{mt}", ""],
+    ["translate", "{mt}", "{long_prompt}"],
+]
+EVAL_CASES = [
+    ["eval", "{missing_dir}"],
+    ["eval", "{emptydir}"],
+    ["eval", "{lm}", "--files", "{corpus}", "--stride", "0"],
+    ["eval", "{lm}", "--files", "{corpus}", "--stride", "-1"],
+    ["eval", "{lm}", "--files", "{corpus}", "--stride", "1000"],
+    ["eval", "{lm}", "--files", "{corpus}", "--max-tokens", "0"],
+    ["eval", "{lm}", "--files", "{corpus}", "--max-tokens", "1"],
+    ["eval", "{lm}", "--files", "{missing}"],
+    ["eval", "{lm}", "--files", "{empty}"],
+    ["eval", "{lm}", "--files", "{latin1}"],
+    ["eval", "{lm}", "--files", "{nocol}"],
+    ["eval", "{mt}", "--files", "{pairs}", "--num-beams", "0"],
+    ["eval", "{mt}", "--files", "{pairs}", "--max-pairs", "0"],
+    ["eval", "{mt}", "--files", "{onecol}"],
+    ["eval", "{mt}", "--files", "{missing}"],
+]
+HUB_CASES = [
+    ["card", "{missing_dir}"],
+    ["card", "{emptydir}"],
+    ["card", "{a_file}"],
+    ["push", "{missing_dir}", "--dry-run"],
+    ["push", "{emptydir}", "--dry-run"],
+    ["push", "{lm_no_weights}", "--dry-run"],
+    ["push", "{lm_truncated}", "--dry-run"],
+    ["push", "{lm}", "--dry-run", "--repo-id", "bad id!!"],
+    ["push", "{lm}", "--dry-run", "--repo-id", "../../etc"],
+    ["check", "{missing_dir}"],
+    ["check", "{emptydir}"],
+    ["check", "{lm_truncated}"],
+    ["check", "{lm_no_weights}"],
+]
+VIZ_CASES = [
+    ["attention", "{missing_dir}", "hello", "--out", OUT],
+    ["attention", "{emptydir}", "hello", "--out", OUT],
+    ["attention", "{lm}", "hello", "--layers", "99", "--out", OUT],
+    ["attention", "{lm}", "hello", "--heads", "99", "--out", OUT],
+    ["attention", "{lm}", "hello", "--layers", "-1", "--out", OUT],
+    ["attention", "{lm}", "", "--out", OUT],
+    ["attention", "{lm}", "hello", "--kind", "bogus", "--out", OUT],
+    ["attention", "{lm}", "{long_prompt}", "--out", OUT],
+    ["attention", "{lm_alien_type}", "hello", "--out", OUT],
+    ["picture", "positions", "--positions", "0", "--out", OUT],
+    ["picture", "positions", "--dim", "0", "--out", OUT],
+    ["picture", "positions", "--dim", "3", "--out", OUT],
+    ["picture", "tokens", "{missing_dir}", "hello", "--out", OUT],
+    ["picture", "tokens", "{tok}", "", "--out", OUT],
+    ["picture", "temperature", "{lm}", "hello", "--temperatures", "1.0", "--out", OUT],
+    ["picture", "temperature", "{lm}", "hello", "--temperatures", "-1", "1", "--out", OUT],
+    ["picture", "temperature", "{lm}", "hello", "--top-k", "-1", "--out", OUT],
+    ["picture", "temperature", "{lm}", "hello", "--top-p", "2", "--out", OUT],
+    ["picture", "temperature", "{missing_dir}", "hello", "--out", OUT],
+    ["picture", "curves", "{missing_dir}", "--out", OUT],
+    ["picture", "curves", "{emptydir}", "--out", OUT],
+]
+BENCH_CASES = [
+    ["bench", "--layers", "0"],
+    ["bench", "--hidden", "30", "--heads", "4"],
+    ["bench", "--gen-batches", "0"],
+    ["bench", "--threads", "0"],
+    ["bench", "--new-tokens", "0"],
+    ["bench", "--context", "0"],
+    ["bench", "--json", "{missing_dir}/sub/out.json"],
+    ["bench-seq2seq", "--beams", "0"],
+    ["bench-seq2seq", "--batch", "0"],
+    ["bench-seq2seq", "--heads", "5"],
+    ["bench-tokenizer", "--vocab-size", "100"],
+    ["bench-tokenizer", "--slice-mb", "0"],
+    ["bench-tokenizer", "--repeats", "0"],
+    ["bench-training", "--presets", "huge"],
+    ["bench-training", "--steps", "0"],
+]
+TOP_CASES = [[], ["bogus"], ["train"], ["tokenizer"], ["picture"]]
+
+CASES = (
+    TOKENIZER_TRAIN_CASES
+    + TOKENIZER_USE_CASES
+    + TRAIN_LM_CASES
+    + TRAIN_MT_CASES
+    + GENERATE_CASES
+    + TRANSLATE_CASES
+    + EVAL_CASES
+    + HUB_CASES
+    + VIZ_CASES
+    + BENCH_CASES
+    + TOP_CASES
+)
+
+
+PROGRESS = re.compile(r"\[\d\d:\d\d[<,]")  # tqdm's "[00:00<?, ...]" / "[00:00, ...]"
+
+
+def case_id(case: list[str]) -> str:
+    return " ".join(arg[:24] if arg else "''" for arg in case) or "(nothing)"
+
+
+def digest(folder: str) -> str:
+    """A hash of every file's relative path and bytes under `folder`."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, folder).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 150, len(CASES)
+    assert len({case_id(c) for c in CASES}) == len(CASES), "two cases with the same id"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_bad_input_is_one_clear_line_and_changes_nothing(case, paths, capsys):
+    argv = [arg.format(**paths) for arg in case]
+    watched = [paths[k] for k in ("lm", "mt", "tok", "corpus", "pairs")]
+    before = [digest(w) if os.path.isdir(w) else hashlib.sha256(open(w, "rb").read()).hexdigest() for w in watched]
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as stop:
+        status = stop.code
+    out, err = capsys.readouterr()
+    # a progress bar that had started (reading a corpus) may stand before the error; nothing else may
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not PROGRESS.search(line)]
+    assert status == 2, f"exit status {status!r}; stderr: {err[-2000:]}"
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("deriv: error: "), err[-2000:]
+    after = [digest(w) if os.path.isdir(w) else hashlib.sha256(open(w, "rb").read()).hexdigest() for w in watched]
+    assert before == after, "a folder or file the command was given changed"
+    assert not os.path.exists(OUT.format(**paths)), "an output was left behind"
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_debug_shows_the_traceback_instead(how, tmp_path, monkeypatch):
+    argv = ["train", "lm", "--output-dir", str(tmp_path / "out"), "--config", str(tmp_path / "missing.yaml")]
+    if how == "flag":
+        argv = ["--debug", *argv]
+    else:
+        monkeypatch.setenv("DERIV_DEBUG", "1")
+    with pytest.raises(FileNotFoundError, match="No such config file"):
+        main(argv)
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Only bad input is reduced to one line: an error of another kind is not swallowed."""
+    from deriv_lm.bench import training
+
+    def broken(args):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(training, "run", broken)
+    with pytest.raises(ZeroDivisionError):
+        main(["bench-training", "--steps", "1"])
