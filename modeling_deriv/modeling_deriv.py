@@ -335,6 +335,18 @@ def check_inputs(input_ids: torch.LongTensor | None, position_ids: torch.LongTen
         raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {config.vocab_size}).")
 
 
+def check_mask(attention_mask: torch.Tensor | None, batch: int, length: int, name: str = "attention_mask") -> None:
+    """A 2-D padding mask has one entry per token attended over, (batch, cached + new tokens): a mask of
+    another shape would be broadcast or cut silently by the attention kernels, so refuse it by name."""
+    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+        return
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(
+            f"`{name}` has shape {tuple(attention_mask.shape)}, expected ({batch}, {length}): one entry per token "
+            "of the input (and of the cache before it)."
+        )
+
+
 class DerivModel(DerivPreTrainedModel):
     """The decoder stack: x_0 = sqrt(d) E[tokens] + PE[positions], x_l = Block_l(x_{l-1}); returns x_N."""
 
@@ -367,12 +379,15 @@ class DerivModel(DerivPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         tokens = input_ids if input_ids is not None else inputs_embeds
+        # Continuous batching hands over its paged cache (not a `Cache`), always with positions and its own mask.
+        past_seen = cache.get_seq_length() if isinstance(cache, Cache) else 0
         if position_ids is None:
             # subtle: positions come from `position_ids` when given, because with left padding the
             # first real token of a row is not at index 0; generate() derives them from the mask.
-            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past_seen).unsqueeze(0)
         check_inputs(input_ids, position_ids, self.config)
+        if cache is None or isinstance(cache, Cache):
+            check_mask(attention_mask, tokens.shape[0], past_seen + tokens.shape[1])
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d)
 

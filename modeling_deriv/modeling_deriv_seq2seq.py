@@ -33,6 +33,7 @@ from .modeling_deriv import (
     DerivPreTrainedModel,
     DerivScaledWordEmbedding,
     check_inputs,
+    check_mask,
     position_embedding,
     take_cache,
 )
@@ -153,6 +154,9 @@ class DerivEncoder(DerivSeq2SeqStack):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutput:
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is not None:
+            check_mask(attention_mask, *tokens.shape[:2])
         position_ids = None
         if attention_mask is not None and attention_mask.dim() == 2:
             # Count positions over real tokens only, so a left-padded source reads exactly as a right-padded one.
@@ -201,6 +205,10 @@ class DerivDecoder(DerivSeq2SeqStack):
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         past_seen = self_cache.get_seq_length() if self_cache is not None else 0
         inputs_embeds, hidden_states = _embed(self, input_ids, inputs_embeds, past_seen)
+        check_mask(
+            attention_mask, inputs_embeds.shape[0], past_seen + inputs_embeds.shape[1], "decoder_attention_mask"
+        )
+        check_mask(encoder_attention_mask, *encoder_hidden_states.shape[:2])
         # (The cache goes fourth, where it stands under both of its names.)
         causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, self_cache)
         cross_mask = create_bidirectional_mask(

@@ -266,12 +266,12 @@ def test_translate_and_eval_commands(translation_run, capsys):
     assert "BLEU" in printed and "test split" in printed and "nrefs:1" in printed
 
 
-def test_translate_refuses_a_language_model(tmp_path):
-    from conftest import make_model
+def test_translate_refuses_a_language_model(tmp_path, capsys):
+    from conftest import cli_error, make_model
 
     make_model().save_pretrained(tmp_path)
-    with pytest.raises(SystemExit, match="holds a language model; this command needs a translation model"):
-        main(["translate", str(tmp_path), "x"])
+    line = cli_error(["translate", str(tmp_path), "x"], capsys)
+    assert "holds a language model; this command needs a translation model" in line
 
 
 def test_resume_continues_the_translation_run(translation_run, tmp_path, capsys):

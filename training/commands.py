@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from ..arguments import integer, number
+from ..cli import one_line
 from . import args as training_args
 
 
@@ -33,33 +36,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_use_arguments(sub) -> None:
-    """`deriv generate` and `deriv eval` (registered at the top level of the CLI)."""
+    """`deriv generate`, `deriv translate` and `deriv eval` (registered at the top level of the CLI)."""
     from deriv_lm.tokenization.commands import add_corpus_arguments
 
     gen = sub.add_parser("generate", help="generate text from a trained model folder")
     gen.add_argument("folder")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--num-beams", type=int, default=None)
-    gen.add_argument("--repetition-penalty", type=float, default=None)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("prompt", help="the text to continue; an empty prompt starts from the <bos> token")
+    gen.add_argument("--max-new-tokens", type=integer(minimum=1), default=None)
+    gen.add_argument("--temperature", type=number(minimum=0), default=None, help="0 means greedy")
+    gen.add_argument("--top-k", type=integer(minimum=0), default=None, help="0 keeps every token")
+    gen.add_argument("--top-p", type=number(above=0, maximum=1), default=None)
+    gen.add_argument("--num-beams", type=integer(minimum=1), default=None)
+    gen.add_argument("--repetition-penalty", type=number(above=0), default=None)
+    gen.add_argument("--presence-penalty", type=number(), default=0.0)
+    gen.add_argument("--frequency-penalty", type=number(), default=0.0)
     gen.add_argument("--greedy", action="store_true", help="no sampling: the most likely token each step")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=integer(minimum=0), default=0)
     gen.add_argument("--no-stream", action="store_true", help="print at the end instead of token by token")
+    add_trust_argument(gen)
     gen.set_defaults(func=run_generate)
 
     tr = sub.add_parser("translate", help="translate text with a trained translation folder")
     tr.add_argument("folder")
     tr.add_argument("text", nargs="+", help="one or more source sentences")
-    tr.add_argument("--num-beams", type=int, default=None, help="default: the folder's generation config")
-    tr.add_argument("--length-penalty", type=float, default=None)
-    tr.add_argument("--max-new-tokens", type=int, default=None)
-    tr.add_argument("--num-return-sequences", type=int, default=1, help="the best n beams per sentence")
+    tr.add_argument(
+        "--num-beams", type=integer(minimum=1), default=None, help="default: the folder's generation config"
+    )
+    tr.add_argument("--length-penalty", type=number(), default=None)
+    tr.add_argument("--max-new-tokens", type=integer(minimum=1), default=None)
+    tr.add_argument("--num-return-sequences", type=integer(minimum=1), default=1, help="the best n beams per sentence")
     tr.add_argument("--greedy", action="store_true", help="no beam search: the most likely token each step")
+    add_trust_argument(tr)
     tr.set_defaults(func=run_translate)
 
     ev = sub.add_parser(
@@ -70,30 +77,60 @@ def add_use_arguments(sub) -> None:
         "--all-pairs scores every pair, for a separate test file).",
     )
     ev.add_argument("folder")
-    ev.add_argument("--stride", type=int, default=None, help="default: half the context")
-    ev.add_argument("--max-tokens", type=int, default=200_000, help="evaluate on at most this many tokens")
+    ev.add_argument("--stride", type=integer(minimum=1), default=None, help="default: half the context")
+    ev.add_argument(
+        "--max-tokens", type=integer(minimum=2), default=200_000, help="evaluate on at most this many tokens"
+    )
     add_corpus_arguments(ev)
     ev.add_argument("--source-lang", default="en", help="translation: source language (default: en)")
     ev.add_argument("--target-lang", default="de", help="translation: target language (default: de)")
-    ev.add_argument("--num-beams", type=int, default=None, help="translation: default the folder's setting")
-    ev.add_argument("--max-pairs", type=int, default=None, help="translation: score at most this many pairs")
+    ev.add_argument(
+        "--num-beams", type=integer(minimum=1), default=None, help="translation: default the folder's setting"
+    )
+    ev.add_argument(
+        "--max-pairs", type=integer(minimum=1), default=None, help="translation: score at most this many pairs"
+    )
     ev.add_argument("--all-pairs", action="store_true", help="translation: every pair, not the test split")
+    add_trust_argument(ev)
     ev.set_defaults(func=run_eval)
 
 
-def _load_folder(folder: str, seq2seq: bool | None = False):
-    """(model, tokenizer) of an exported folder; `seq2seq=None` takes whichever kind the folder holds."""
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python files of a folder that is not Deriv's (Deriv's own folders never need it)",
+    )
+
+
+def _load_folder(folder: str, seq2seq: bool | None = False, trust_remote_code: bool = False):
+    """(model, tokenizer) of an exported folder; `seq2seq=None` takes whichever kind the folder holds.
+
+    Deriv's model types are registered with the Auto classes when this package is imported, so its
+    folders load through the installed classes and their copied `.py` files never run; a folder of
+    another type runs its own code only with `trust_remote_code`.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
+    if not os.path.isdir(folder) and (os.path.exists(folder) or os.path.isabs(folder) or folder.startswith(".")):
+        raise SystemExit(f"{folder}: no such model folder")
     try:
-        is_seq2seq = AutoConfig.from_pretrained(folder).is_encoder_decoder
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        is_seq2seq = config.is_encoder_decoder
         if seq2seq is not None and is_seq2seq != seq2seq:
             wanted, found = ("translation", "language") if seq2seq else ("language", "translation")
             raise SystemExit(f"{folder} holds a {found} model; this command needs a {wanted} model")
         auto = AutoModelForSeq2SeqLM if is_seq2seq else AutoModelForCausalLM
-        return auto.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"{folder}: not a model folder ({error})") from error
+        model = auto.from_pretrained(folder, config=config, trust_remote_code=trust_remote_code).eval()
+        return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as error:  # a corrupt or foreign folder fails in many ways; name the folder and the cause
+        hint = "" if trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
+        raise SystemExit(f"{folder}: not a model folder this command can load ({one_line(error)}){hint}") from error
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A prompt's ids, its text taken literally: `<eos>` typed in a prompt is five characters, not the token."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False).input_ids
 
 
 def run_generate(ns: argparse.Namespace) -> int:
@@ -102,26 +139,51 @@ def run_generate(ns: argparse.Namespace) -> int:
 
     from deriv_lm.modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
 
-    model, tokenizer = _load_folder(ns.folder)
+    model, tokenizer = _load_folder(ns.folder, trust_remote_code=ns.trust_remote_code)
+    ids = encode_prompt(tokenizer, ns.prompt)
+    if not ids:
+        if tokenizer.bos_token_id is None:
+            raise SystemExit(f"The prompt is empty and {ns.folder} has no <bos> token to start from")
+        ids = [tokenizer.bos_token_id]  # an empty prompt: generate from the start of a document
+    context = model.config.max_position_embeddings
+    if len(ids) >= context:
+        raise SystemExit(
+            f"The prompt is {len(ids)} tokens; the model reads at most {context} (max_position_embeddings), "
+            "which leaves no room for new tokens: shorten the prompt"
+        )
     torch.manual_seed(ns.seed)
     options = {
         k: getattr(ns, k)
         for k in ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty")
         if getattr(ns, k) is not None
     }
-    if ns.greedy:
+    if ns.greedy or options.get("temperature") == 0:
+        options.pop("temperature", None)  # temperature 0 is the limit of sampling: the most likely token
         options["do_sample"] = False
+    wanted = options.get("max_new_tokens", model.generation_config.max_new_tokens) or context
+    options["max_new_tokens"] = min(wanted, context - len(ids))
+    if options["max_new_tokens"] < wanted:
+        print(
+            f"deriv: note: {options['max_new_tokens']} new tokens, not {wanted}: the prompt ({len(ids)} tokens) "
+            f"and the new tokens must fit the context of {context}",
+            file=sys.stderr,
+        )
     processors = LogitsProcessorList()
     if ns.presence_penalty:
         processors.append(PresencePenaltyLogitsProcessor(ns.presence_penalty))
     if ns.frequency_penalty:
         processors.append(FrequencyPenaltyLogitsProcessor(ns.frequency_penalty))
-    inputs = tokenizer(ns.prompt, return_tensors="pt")
-    budget = model.config.max_position_embeddings - inputs.input_ids.shape[1]
-    options["max_new_tokens"] = min(options.get("max_new_tokens", model.generation_config.max_new_tokens), budget)
-    streamer = None if ns.no_stream or options.get("num_beams", 1) > 1 else TextStreamer(tokenizer)
+    streaming = not ns.no_stream and options.get("num_beams", 1) == 1
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True) if streaming else None
+    input_ids = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(**inputs, logits_processor=processors, streamer=streamer, **options)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            logits_processor=processors,
+            streamer=streamer,
+            **options,
+        )
     if streamer is None:
         print(tokenizer.decode(out[0], skip_special_tokens=True))
     return 0
@@ -130,7 +192,14 @@ def run_generate(ns: argparse.Namespace) -> int:
 def run_translate(ns: argparse.Namespace) -> int:
     from .evaluate import translate
 
-    model, tokenizer = _load_folder(ns.folder, seq2seq=True)
+    model, tokenizer = _load_folder(ns.folder, seq2seq=True, trust_remote_code=ns.trust_remote_code)
+    context = model.config.max_position_embeddings
+    for i, text in enumerate(ns.text, 1):
+        length = len(encode_prompt(tokenizer, text))
+        if length == 0:
+            raise SystemExit(f"Sentence {i} is empty: there is nothing to translate")
+        if length > context:
+            raise SystemExit(f"Sentence {i} is {length} tokens; the model reads at most {context}: split it")
     options = {
         k: getattr(ns, k)
         for k in ("num_beams", "length_penalty", "max_new_tokens", "num_return_sequences")
@@ -139,8 +208,11 @@ def run_translate(ns: argparse.Namespace) -> int:
     if ns.greedy:
         options["num_beams"] = 1
     n = ns.num_return_sequences
-    if n > max(1, options.get("num_beams", model.generation_config.num_beams or 1)):
-        raise SystemExit(f"--num-return-sequences {n} needs at least as many beams (--num-beams {n})")
+    beams = options.get("num_beams", model.generation_config.num_beams or 1)
+    if n > beams:
+        raise SystemExit(f"--num-return-sequences {n} needs at least as many beams (--num-beams {n}), not {beams}")
+    if beams == 1:
+        options["early_stopping"] = False  # a beam-search option; the folder's default may set it
     outputs = translate(model, tokenizer, ns.text, **options)
     for i, source in enumerate(ns.text):
         for text in outputs[i * n : (i + 1) * n]:
@@ -153,16 +225,20 @@ def run_eval(ns: argparse.Namespace) -> int:
 
     from .evaluate import sliding_window_perplexity
 
-    model, tokenizer = _load_folder(ns.folder, seq2seq=None)
+    model, tokenizer = _load_folder(ns.folder, seq2seq=None, trust_remote_code=ns.trust_remote_code)
     if model.config.is_encoder_decoder:
         return _eval_translation(ns, model, tokenizer)
+    window = model.config.max_position_embeddings
+    if ns.stride is not None and ns.stride > window:
+        raise SystemExit(f"--stride {ns.stride} is longer than the model's window of {window} tokens")
     corpus = corpus_from_args(ns)
     ids: list[int] = []
     for text in corpus:
-        ids += tokenizer(text, add_special_tokens=False, verbose=False).input_ids + [tokenizer.eos_token_id]
+        ids += encode_prompt(tokenizer, text) + [tokenizer.eos_token_id]
         if len(ids) >= ns.max_tokens:
             break
-    window = model.config.max_position_embeddings
+    if len(ids) < 2:
+        raise SystemExit(f"{corpus.description} gives {len(ids)} token(s); perplexity needs at least 2")
     result = sliding_window_perplexity(model, ids[: ns.max_tokens], window, ns.stride or window // 2, progress=True)
     print(
         f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f}) on {result['tokens']} tokens of "

@@ -57,7 +57,9 @@ def tokenize_and_pack(documents, tokenizer, context_length: int, num_proc: int |
         raise ValueError("The tokenizer has no end-of-sequence token; train it with `deriv tokenizer train`.")
 
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
+        # split_special_tokens: a document that spells `<eos>` holds five characters, not the control token;
+        # only this code puts <eos> between documents.
+        ids = tokenizer(batch["text"], add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
         return {"input_ids": [doc + [eos] for doc in ids]}
 
     def pack(batch):

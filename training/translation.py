@@ -45,8 +45,10 @@ def pair_corpus(args) -> ParallelCorpus:
 def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[tuple[list[int], list[int]]], int]:
     """(source ids, target ids + <eos>) per pair, and how many pairs were dropped for being longer than
     `max_length` on either side (training never truncates: a cut target would teach the model to stop early)."""
-    sources = tokenizer([p.source for p in pairs], add_special_tokens=False, verbose=False).input_ids
-    targets = tokenizer([p.target for p in pairs], add_special_tokens=False, verbose=False).input_ids
+    # special-token spellings in the text stay text; only this code appends <eos>
+    plain = dict(add_special_tokens=False, split_special_tokens=True, verbose=False)
+    sources = tokenizer([p.source for p in pairs], **plain).input_ids
+    targets = tokenizer([p.target for p in pairs], **plain).input_ids
     kept, too_long = [], 0
     for source, target in zip(sources, targets, strict=True):
         target = target + [tokenizer.eos_token_id]
