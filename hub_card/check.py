@@ -14,7 +14,7 @@ import sys
 import tempfile
 import textwrap
 
-from .folder import read_folder
+from .folder import check_safetensors, read_folder
 
 
 HIDE_PACKAGE = textwrap.dedent(
@@ -119,6 +119,9 @@ def check_folder(path: str | os.PathLike, timeout: int = 300) -> list[dict]:
     """[{"step", "ok", "detail"}] for config, tokenizer, model, generate and pipeline, in that order; a step that
     never ran (because one it needs failed) is reported as failed with the reason."""
     folder = read_folder(path)
+    if not (folder.has("model.safetensors") or folder.has("model.safetensors.index.json")):
+        raise FileNotFoundError(f"{path}: model.safetensors is missing, so there is no model to check")
+    check_safetensors(path)
     path = os.path.abspath(str(path))
     if folder.is_seq2seq:
         auto, prompt = "AutoModelForSeq2SeqLM", "Open the file"

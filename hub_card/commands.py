@@ -24,6 +24,11 @@ def add_arguments(sub) -> None:
     check = sub.add_parser(
         "check", help="load a folder as a Hub user would (no deriv_lm, offline) and report each step"
     )
+    check.description = (
+        "Load the folder the way a Hub user would, in a fresh process that cannot import this package: this runs "
+        "the folder's own Python files (trust_remote_code=True), which is what it checks. Check only folders you "
+        "trust, such as the ones you trained."
+    )
     check.add_argument("folder")
     check.set_defaults(func=run_check)
 
@@ -57,7 +62,9 @@ def run_push(ns: argparse.Namespace) -> int:
             print("complete: nothing was uploaded (dry run)")
             return 0
         url = push(ns.folder, ns.repo_id, ns.private, ns.revision)
-    except (PushError, FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # bad input: the CLI prints one `deriv: error:` line
+        raise _folder_error(error) from error
+    except PushError as error:  # the upload itself failed
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"uploaded: {url}")

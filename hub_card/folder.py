@@ -118,3 +118,36 @@ def upload_list(folder: ModelFolder) -> list[tuple[str, int]]:
             if not any(fnmatch(rel, pattern) for pattern in IGNORED):
                 files.append((rel, os.path.getsize(os.path.join(root, name))))
     return files
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """Raise ValueError naming a `*.safetensors` file of the folder whose header or size is wrong.
+
+    The format is 8 bytes (little-endian header length N), N bytes of JSON {name: {dtype, shape, data_offsets}},
+    then the data; a complete file is exactly 8 + N + the largest end offset bytes long. A truncated upload or
+    a torn copy fails here, before a Hub user downloads it.
+    """
+    import struct
+
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{file}: {size} bytes, too short to be a safetensors file")
+            (length,) = struct.unpack("<Q", head)
+            if 8 + length > size:
+                raise ValueError(f"{file}: the header says {length} bytes of metadata but the file has {size} bytes")
+            try:
+                header = json.loads(f.read(length))
+                ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+            except (ValueError, KeyError, TypeError, IndexError) as error:
+                raise ValueError(f"{file}: the safetensors header is not valid ({error})") from error
+        expected = 8 + length + max(ends, default=0)
+        if size != expected:
+            raise ValueError(
+                f"{file}: {size} bytes, but its header describes {expected}: the file is truncated or torn"
+            )

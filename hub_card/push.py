@@ -7,7 +7,7 @@ message and claims nothing.
 
 from __future__ import annotations
 
-from .folder import IGNORED, missing_files, read_folder, upload_list
+from .folder import IGNORED, check_safetensors, missing_files, read_folder, upload_list
 
 
 class PushError(RuntimeError):
@@ -30,13 +30,14 @@ def validate_repo_id(repo_id: str) -> None:
     try:
         hub_validate(repo_id)
     except HFValidationError as error:
-        raise PushError(f"{repo_id!r} is not a valid repo id (expected NAME or OWNER/NAME): {error}") from error
+        raise ValueError(f"{repo_id!r} is not a valid repo id (expected NAME or OWNER/NAME): {error}") from error
 
 
 def plan(path: str, repo_id: str) -> tuple[list[tuple[str, int]], list[str]]:
     """(files to upload with sizes, problems); raises for a bad repo id or a folder that is no model."""
     validate_repo_id(repo_id)
     folder = read_folder(path)
+    check_safetensors(path)
     return upload_list(folder), missing_files(folder)
 
 

@@ -155,12 +155,15 @@ def test_a_folder_without_auto_map_is_incomplete(lm_folder, tmp_path):
 
 
 def test_bad_input_is_a_clear_error(tmp_path, lm_folder, capsys, monkeypatch):
-    assert main(["push", str(tmp_path), "--repo-id", "someone/x", "--dry-run"]) == 1
-    assert "not a model folder: it has no config.json" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="No such folder"):
-        main(["card", str(tmp_path / "nope")])
-    assert main(["push", str(lm_folder), "--repo-id", "not a/valid/id", "--dry-run"]) == 1
-    assert "is not a valid repo id" in capsys.readouterr().err
+    from conftest import cli_error
+
+    assert "not a model folder: it has no config.json" in cli_error(
+        ["push", str(tmp_path), "--repo-id", "someone/x", "--dry-run"], capsys
+    )
+    assert "No such folder" in cli_error(["card", str(tmp_path / "nope")], capsys)
+    assert "is not a valid repo id" in cli_error(
+        ["push", str(lm_folder), "--repo-id", "not a/valid/id", "--dry-run"], capsys
+    )
     # a real push without a token: refused before anything is sent
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored login either

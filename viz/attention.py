@@ -21,7 +21,7 @@ class AttentionMaps:
     key_tokens: list[str]
 
 
-def load_eager(folder: str):
+def load_eager(folder: str, trust_remote_code: bool = False):
     """(model, tokenizer) of an exported folder, with the eager attention kernel; a clear error otherwise."""
     import os
 
@@ -29,10 +29,13 @@ def load_eager(folder: str):
 
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"{folder} is not a model folder: it has no config.json")
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    # Deriv's types are registered with the Auto classes, so its folders load through the installed classes and
+    # their copied .py files never run; another type runs its own code only when the user says so.
+    trust = {"trust_remote_code": trust_remote_code}
+    config = AutoConfig.from_pretrained(folder, **trust)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = auto.from_pretrained(folder, attn_implementation="eager", trust_remote_code=True).eval()
-    return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    model = auto.from_pretrained(folder, config=config, attn_implementation="eager", **trust).eval()
+    return model, AutoTokenizer.from_pretrained(folder, **trust)
 
 
 def _tokens(tokenizer, ids: list[int]) -> list[str]:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..arguments import integer, number
+
 
 def add_arguments(sub) -> None:
     att = sub.add_parser("attention", help="heat maps of a model's attention weights on a text (PNG)")
     att.add_argument("folder")
+    add_trust_argument(att)
     att.add_argument("text")
     att.add_argument("--target", default=None, help="translation: the target text (default: the model's own)")
-    att.add_argument("--layers", type=int, nargs="+", default=None, help="layer indices (default: all)")
-    att.add_argument("--heads", type=int, nargs="+", default=None, help="head indices (default: all)")
+    att.add_argument("--layers", type=integer(minimum=0), nargs="+", default=None, help="layer indices (default: all)")
+    att.add_argument("--heads", type=integer(minimum=0), nargs="+", default=None, help="head indices (default: all)")
     att.add_argument("--average", action="store_true", help="one panel per layer: the mean over heads")
     att.add_argument(
         "--kind", choices=["encoder", "decoder", "cross", "all"], default="all", help="translation: which attention"
@@ -23,27 +26,39 @@ def add_arguments(sub) -> None:
     pic = sub.add_parser("picture", help="pictures of the parts: positions, tokens, temperature, curves")
     kinds = pic.add_subparsers(dest="picture", required=True)
     pos = kinds.add_parser("positions", help="the sinusoidal position table and the dot products between positions")
-    pos.add_argument("--positions", type=int, default=64)
-    pos.add_argument("--dim", type=int, default=128)
+    pos.add_argument("--positions", type=integer(minimum=1), default=64)
+    pos.add_argument("--dim", type=integer(minimum=2), default=128, help="an even number: sin and cos pairs")
     pos.add_argument("--out", default="positions.png")
     pos.set_defaults(func=_plotting(lambda ns: _done(_positions(ns))))
     tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text")
     tok.add_argument("folder")
+    add_trust_argument(tok)
     tok.add_argument("text")
     tok.add_argument("--out", default="tokens.png")
     tok.set_defaults(func=_plotting(lambda ns: _done(_tokens(ns))))
     tmp = kinds.add_parser("temperature", help="next-token distribution at several temperatures, top-k/top-p marked")
     tmp.add_argument("folder")
+    add_trust_argument(tmp)
     tmp.add_argument("text")
-    tmp.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 1.0, 2.0])
-    tmp.add_argument("--top-k", type=int, default=10)
-    tmp.add_argument("--top-p", type=float, default=0.9)
+    tmp.add_argument(
+        "--temperatures", type=number(above=0), nargs="+", default=[0.5, 1.0, 2.0], help="two or more, to compare"
+    )
+    tmp.add_argument("--top-k", type=integer(minimum=1), default=10)
+    tmp.add_argument("--top-p", type=number(above=0, maximum=1), default=0.9)
     tmp.add_argument("--out", default="temperature.png")
     tmp.set_defaults(func=_plotting(lambda ns: _done(_temperature(ns))))
     cur = kinds.add_parser("curves", help="the training curves of a trained folder")
     cur.add_argument("folder")
     cur.add_argument("--out", default="curves.png")
     cur.set_defaults(func=_plotting(lambda ns: _done(_curves(ns))))
+
+
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python files of a folder that is not Deriv's (Deriv's own folders never need it)",
+    )
 
 
 def _plotting(draw):
@@ -64,19 +79,22 @@ def _done(paths) -> int:
     return 0
 
 
-def _load(folder: str):
+def _load(ns: argparse.Namespace):
     from .attention import load_eager
 
     try:
-        return load_eager(folder)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"{folder}: not a model folder ({error})") from error
+        return load_eager(ns.folder, trust_remote_code=ns.trust_remote_code)
+    except Exception as error:  # a corrupt or foreign folder fails in many ways; name the folder and the cause
+        hint = (
+            "" if ns.trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
+        )
+        raise SystemExit(f"{ns.folder}: not a model folder ({' '.join(str(error).split())}){hint}") from error
 
 
 def run_attention(ns: argparse.Namespace) -> int:
     from .attention import attention_maps, plot_attention, select
 
-    model, tokenizer = _load(ns.folder)
+    model, tokenizer = _load(ns)
     try:
         maps = attention_maps(model, tokenizer, ns.text, ns.target)
         kinds = list(maps) if ns.kind == "all" else [ns.kind]
@@ -97,6 +115,8 @@ def run_attention(ns: argparse.Namespace) -> int:
 def _positions(ns):
     from .pictures import positional_encoding
 
+    if ns.dim % 2:
+        raise SystemExit(f"--dim {ns.dim}: the sinusoidal table pairs a sine and a cosine, so it must be even")
     return positional_encoding(ns.out, ns.positions, ns.dim)
 
 
@@ -106,8 +126,8 @@ def _tokens(ns):
     from .pictures import token_split
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=True)
-    except (OSError, ValueError) as error:
+        tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=ns.trust_remote_code)
+    except Exception as error:
         raise SystemExit(f"{ns.folder}: no tokenizer there ({error})") from error
     return token_split(tokenizer, ns.text, ns.out)
 
@@ -115,7 +135,9 @@ def _tokens(ns):
 def _temperature(ns):
     from .pictures import temperature
 
-    model, tokenizer = _load(ns.folder)
+    if len(ns.temperatures) < 2:
+        raise SystemExit("--temperatures needs two or more values: the picture compares them")
+    model, tokenizer = _load(ns)
     if model.config.is_encoder_decoder:
         raise SystemExit(
             "`picture temperature` draws a language model's next-token distribution; this is a translation model"
