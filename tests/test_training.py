@@ -447,3 +447,69 @@ def test_a_changed_file_is_not_served_from_the_cache(tmp_path):
     assert documents_dataset(local_corpus(glob_pattern), None, cache)["text"] == ["first version"]
     path.write_text("second version, longer")
     assert documents_dataset(local_corpus(glob_pattern), None, cache)["text"] == ["second version, longer"]
+
+
+# ---- checkpoints someone hands you, torn files ----------------------------------------------------------
+
+
+class _Planted:
+    """A pickle that, when unpickled, writes a marker file: what a hostile checkpoint would carry."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_of_planted_pickles_is_refused_and_never_runs(tmp_path, corpus_file):
+    import pickle
+
+    args = tiny_args(tmp_path, corpus_file, max_steps=4, save_every=4)
+    train_lm(args, cpu=True)
+    newest = sorted(os.listdir(args.checkpoint_dir))[-1]
+    folder = os.path.join(args.checkpoint_dir, newest)
+    marker = tmp_path / "marker"
+    planted = [name for name in os.listdir(folder) if name.endswith((".pkl", ".bin"))]
+    assert "optimizer.bin" in planted and any(n.startswith("random_states") for n in planted)
+    for name in planted + ["custom_checkpoint_0.pkl"]:  # also the file accelerate would unpickle in full
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump(_Planted(str(marker)), f)
+    resumed = tiny_args(tmp_path, corpus_file, max_steps=8, save_every=4, resume=True)
+    with pytest.raises(ValueError, match="Cannot resume from .*not plain tensor data"):
+        train_lm(resumed, cpu=True)
+    assert not marker.exists()
+
+
+def test_state_and_scheduler_are_json_in_every_checkpoint(trained_run):
+    for path in sorted(os.listdir(trained_run.checkpoint_dir)):
+        folder = os.path.join(trained_run.checkpoint_dir, path)
+        names = os.listdir(folder)
+        assert "trainer_state.json" in names and "scheduler.json" in names
+        assert not [n for n in names if n.startswith("custom_checkpoint")]  # nothing of Deriv's is pickled
+        assert json.load(open(os.path.join(folder, "scheduler.json")))["last_epoch"] > 0
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, corpus_file, caplog):
+    args = tiny_args(tmp_path, corpus_file, max_steps=4, save_every=4)
+    train_lm(args, cpu=True)
+    metrics = os.path.join(args.output_dir, "metrics.jsonl")
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "train_lo')  # a kill in the middle of a write
+    train_lm(tiny_args(tmp_path, corpus_file, max_steps=6, save_every=4, resume=True), cpu=True)
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["step"] for r in records if "train_loss" in r] == [2, 4, 6]
+
+
+def test_nothing_in_the_exported_folder_names_a_local_path(trained_run):
+    """run.json and the card are published with the model: no absolute path, no home folder, no machine layout."""
+    out = trained_run.output_dir
+    home = os.path.expanduser("~")
+    roots = {os.path.dirname(os.path.abspath(out)), os.path.abspath(str(trained_run.files[0])), home}
+    record = json.load(open(os.path.join(out, "run.json")))
+    assert record["arguments"]["output_dir"] == "." and record["arguments"]["files"] == ["corpus.jsonl"]
+    for name in os.listdir(out):
+        if name.endswith((".json", ".md", ".jsonl", ".txt", ".jinja")):
+            text = open(os.path.join(out, name), encoding="utf-8").read()
+            for root in roots:
+                assert root not in text, (name, root)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -36,6 +37,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger("deriv_lm.training")
 CHECKPOINT = re.compile(r"^step-(\d+)$")
+SCHEDULER_FILE = "scheduler.json"
 
 
 @dataclass
@@ -60,6 +62,23 @@ class TrainerState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of metrics.jsonl; a line torn by a kill mid-write is dropped with a warning, not fatal."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                record["step"]
+            except (ValueError, TypeError, KeyError):
+                logger.warning(f"{path}: line {number} is torn or not a metrics record; dropped")
+                continue
+            records.append(record)
+    return records
 
 
 class TrainingInterrupted(Exception):
@@ -145,6 +164,7 @@ class Trainer:
         )
         set_seed(args.seed)
         self.state = TrainerState()
+        self.scheduler = None  # set by train(); saved as JSON with every checkpoint
         self._stop_signal = None
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -168,8 +188,12 @@ class Trainer:
         try:
             accelerator.save_state(partial, safe_serialization=True)
             if accelerator.is_main_process:
+                # Deriv's own state is JSON, never pickled: a checkpoint folder someone hands you cannot run
+                # code when you resume from it.
                 with open(os.path.join(partial, "trainer_state.json"), "w") as f:
                     json.dump(self.state.state_dict(), f)
+                with open(os.path.join(partial, SCHEDULER_FILE), "w") as f:
+                    json.dump(self.scheduler.state_dict(), f)
         except OSError as error:
             if accelerator.is_main_process:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -188,15 +212,30 @@ class Trainer:
         return final
 
     def load_checkpoint(self, path: str) -> None:
+        """accelerate reads the weights (safetensors), the optimizer and the RNG states with torch's
+        `weights_only=True` loader, which refuses anything but tensors and plain containers; nothing
+        is registered for its pickled custom objects. The scheduler and trainer state are JSON."""
         try:
             self.accelerator.load_state(path)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"Cannot resume from {path}: a file there is not plain tensor data and was not loaded "
+                f"(torch's weights_only loader refused it: {' '.join(str(error).split())[:300]})"
+            ) from error
         except (RuntimeError, ValueError, KeyError) as error:
             raise ValueError(
                 f"Cannot resume from {path}: it does not match this model or optimizer ({error}). Resume with "
                 "the arguments the run was started with, or start afresh in another --output-dir."
             ) from error
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            self.state.load_state_dict(json.load(f))
+        try:
+            with open(os.path.join(path, "trainer_state.json")) as f:
+                self.state.load_state_dict(json.load(f))
+            with open(os.path.join(path, SCHEDULER_FILE)) as f:
+                self.scheduler.load_state_dict(json.load(f))
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"Cannot resume from {path}: its trainer or scheduler state is unreadable ({error})"
+            ) from error
 
     @contextmanager
     def _stop_on_signals(self):
@@ -261,7 +300,7 @@ class Trainer:
         train_dl = self._dataloader(self.task.train_dataset, shuffle=True)
         eval_dl = self._dataloader(self.task.eval_dataset, shuffle=False)
         model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
-        accelerator.register_for_checkpointing(scheduler, self.state)
+        self.scheduler = scheduler  # checkpointed as JSON by save_checkpoint, not by accelerate's pickles
 
         found = self.checkpoints()
         if args.resume and found:
@@ -296,8 +335,9 @@ class Trainer:
         os.makedirs(args.output_dir, exist_ok=True)
         if accelerator.is_main_process and os.path.exists(metrics_path):
             # Keep what the checkpoint we continue from had logged; drop the rest (or all, on a fresh run).
-            with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= self.state.step]
+            kept = [
+                json.dumps(record) + "\n" for record in read_metrics(metrics_path) if record["step"] <= self.state.step
+            ]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         bar = tqdm(
