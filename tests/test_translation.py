@@ -304,3 +304,18 @@ def test_resume_continues_the_translation_run(translation_run, tmp_path, capsys)
     assert record["training"]["steps"] == 320
     logged = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
     assert logged == sorted(set(logged)) and logged[-1] == 320 and 300 in logged
+
+
+def test_a_one_beam_run_exports_and_loads(tmp_path):
+    """--num-beams 1 used to fail at export: early_stopping is a beam-search option GenerationConfig refuses alone."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"open file {n}\töffne Datei {n}\n" for n in range(60)), encoding="utf-8")
+    args = ["train", "translation", "--files", str(data), "--output-dir", str(tmp_path / "mt"), "--vocab-size", "300"]
+    args += ["--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1", "--num-attention-heads", "2"]
+    args += ["--intermediate-size", "64", "--batch-size", "8", "--max-steps", "2", "--warmup-steps", "1"]
+    args += ["--eval-every", "2", "--save-every", "2", "--num-beams", "1", "--samples", "1", "--no-progress", "--cpu"]
+    assert main(args) == 0
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mt")
+    assert model.generation_config.num_beams == 1 and not model.generation_config.early_stopping

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 
 import torch
 
@@ -39,6 +40,34 @@ def plot_losses(history: list[dict], path: str) -> bool:
     return True
 
 
+# An absolute path in text: a "/" not preceded by a word character, a colon or another "/" (so not a URL or a
+# relative path), then everything up to a quote, a space, a bracket or a comma.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.])/[^\s'\",\]\)]+")
+
+
+def without_local_paths(value, run_dir: str):
+    """`value` (JSON-like) with every absolute local path made portable (`_portable`): run.json and the card are
+    published with the model, and must not carry the user's home folder or machine layout."""
+    run_dir = os.path.abspath(run_dir)
+    if isinstance(value, dict):
+        return {k: without_local_paths(v, run_dir) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_local_paths(v, run_dir) for v in value]
+    if isinstance(value, str):
+        if value and not os.path.isabs(value) and os.sep in value and os.path.exists(value):
+            value = os.path.abspath(value)  # a path relative to where the command ran: say it from the run
+        return _ABSOLUTE_PATH.sub(lambda m: _portable(m.group(0), run_dir), value)
+    return value
+
+
+def _portable(path: str, run_dir: str) -> str:
+    """Inside the run folder: relative to it ("." for the folder). Elsewhere: the file or folder name alone,
+    since a relative path out of the run folder would still spell the directories above it."""
+    if path == run_dir or path.startswith(run_dir + os.sep):
+        return os.path.relpath(path, run_dir)
+    return os.path.basename(path.rstrip(os.sep)) or path
+
+
 def run_record(
     task: str, args, data: dict, tokenizer, chars_per_token, model, state, accelerator, seconds, metrics
 ) -> dict:
@@ -48,7 +77,7 @@ def run_record(
     import tokenizers
     import transformers
 
-    return {
+    record = {
         "task": task,
         "arguments": {k: v for k, v in vars(args).items()},
         "data": data,
@@ -83,6 +112,7 @@ def run_record(
         },
         "metrics": metrics,
     }
+    return without_local_paths(record, args.output_dir)
 
 
 def export_folder(output_dir, model, state_dict, tokenizer, record, history, say=print, pipeline_class=None) -> None:

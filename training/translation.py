@@ -144,7 +144,7 @@ def generation_defaults(config, num_beams: int):
 
     return GenerationConfig(
         num_beams=num_beams,
-        early_stopping=True,
+        early_stopping=num_beams > 1,  # a beam-search option: GenerationConfig refuses it with one beam
         length_penalty=1.0,
         max_new_tokens=config.max_position_embeddings - 1,  # the start token takes the first position
         pad_token_id=config.pad_token_id,
