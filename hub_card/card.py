@@ -259,7 +259,7 @@ def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str
 # {repo.split("/")[-1]}
 
 A Transformer {kind} in the architecture of Vaswani et al. (2017), "Attention Is All You Need", built and
-trained from scratch with [Deriv](https://pypi.org/project/deriv-lm/): token embedding scaled by sqrt(d_model),
+trained from scratch with Deriv (the `deriv-lm` package): token embedding scaled by sqrt(d_model),
 sinusoidal positions, multi-head scaled dot-product attention{attention},
 position-wise feed-forward networks, residual connections with LayerNorm, and an output projection tied to the
 embedding. The folder carries its own modeling code, so `transformers` loads it with `trust_remote_code=True`;

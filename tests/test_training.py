@@ -513,3 +513,13 @@ def test_nothing_in_the_exported_folder_names_a_local_path(trained_run):
             text = open(os.path.join(out, name), encoding="utf-8").read()
             for root in roots:
                 assert root not in text, (name, root)
+
+
+def test_the_recorded_vocabulary_is_the_tokenizers(trained_run, tmp_path, corpus_file):
+    """--vocab-size with a given --tokenizer of another size: the model and run.json use the tokenizer's."""
+    tokenizer = os.path.join(trained_run.output_dir, "tokenizer")
+    args = tiny_args(tmp_path, corpus_file, tokenizer=tokenizer, vocab_size=500, max_steps=2, save_every=2)
+    train_lm(args, cpu=True)
+    record = json.load(open(os.path.join(args.output_dir, "run.json")))
+    assert record["arguments"]["vocab_size"] == record["tokenizer"]["vocab_size"] == 300
+    assert json.load(open(os.path.join(args.output_dir, "config.json")))["vocab_size"] == 300

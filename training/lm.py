@@ -49,7 +49,15 @@ def load_or_train_tokenizer(args, corpus, accelerator):
                 f"tokenizer: {summary.vocab_size} ids from {summary.characters / 1e6:.2f} M characters "
                 f"in {summary.seconds:.2f} s -> {folder}"
             )
-        return AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    if len(tokenizer) != args.vocab_size:
+        # The model's vocabulary is the tokenizer's; record the size that was used, not the one asked for.
+        accelerator.print(
+            f"note: the tokenizer in {folder} has {len(tokenizer)} ids, not --vocab-size {args.vocab_size}; "
+            f"the model uses {len(tokenizer)}"
+        )
+        args.vocab_size = len(tokenizer)
+    return tokenizer
 
 
 def build_model(args, tokenizer) -> DerivForCausalLM:
