@@ -523,3 +523,23 @@ def test_the_recorded_vocabulary_is_the_tokenizers(trained_run, tmp_path, corpus
     record = json.load(open(os.path.join(args.output_dir, "run.json")))
     assert record["arguments"]["vocab_size"] == record["tokenizer"]["vocab_size"] == 300
     assert json.load(open(os.path.join(args.output_dir, "config.json")))["vocab_size"] == 300
+
+
+@pytest.mark.parametrize("tear", ["truncated weights", "torn trainer state", "no marker"])
+def test_a_torn_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, corpus_file, capsys, tear):
+    args = tiny_args(tmp_path, corpus_file, max_steps=8, save_every=4)
+    train_lm(args, cpu=True)
+    older, newest = [os.path.join(args.checkpoint_dir, n) for n in sorted(os.listdir(args.checkpoint_dir))]
+    if tear == "truncated weights":
+        weights = os.path.join(newest, "model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) - 64)
+    elif tear == "torn trainer state":
+        with open(os.path.join(newest, "trainer_state.json"), "w") as f:
+            f.write('{"step": 8, "tok')
+    else:
+        os.remove(os.path.join(newest, "COMPLETE"))
+    capsys.readouterr()
+    train_lm(tiny_args(tmp_path, corpus_file, max_steps=10, save_every=4, resume=True), cpu=True)
+    out = capsys.readouterr().out
+    assert f"skipping {newest}" in out and f"resumed from {older} at step 4" in out
+    assert json.load(open(os.path.join(args.output_dir, "run.json")))["training"]["steps"] == 10

@@ -38,6 +38,7 @@ from transformers.utils import logging
 logger = logging.get_logger("deriv_lm.training")
 CHECKPOINT = re.compile(r"^step-(\d+)$")
 SCHEDULER_FILE = "scheduler.json"
+COMPLETE = "COMPLETE"  # written last, after every file of a checkpoint is on disk
 
 
 @dataclass
@@ -62,6 +63,30 @@ class TrainerState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def _fsync_tree(folder: str) -> None:
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from, or None: it lacks the marker written last, a
+    weights file is torn (its safetensors header and size disagree), or its JSON state does not parse."""
+    from ..hub_card.folder import check_safetensors
+
+    if not os.path.exists(os.path.join(path, COMPLETE)):
+        return f"incomplete (no {COMPLETE} marker: its writing was interrupted)"
+    try:
+        check_safetensors(path)
+        for name in ("trainer_state.json", SCHEDULER_FILE):
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                json.load(f)
+    except (OSError, ValueError) as error:
+        return " ".join(str(error).split())
+    return None
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -176,6 +201,16 @@ class Trainer:
         found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := CHECKPOINT.match(name))]
         return [os.path.join(folder, name) for _, name in sorted(found)]
 
+    def usable_checkpoint(self, found: list[str]) -> str | None:
+        """The newest checkpoint that was written completely and whose files read back; a torn one (a kill or
+        a full disk mid-write, a truncated copy) is skipped for the one before it, saying why."""
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            self.accelerator.print(f"skipping {path}: {problem}")
+        return None
+
     def save_checkpoint(self) -> str:
         """save_state into a temporary folder, then rename it into place; older ones beyond `keep` are removed."""
         final = os.path.join(self.args.checkpoint_dir, f"step-{self.state.step:07d}")
@@ -194,6 +229,11 @@ class Trainer:
                     json.dump(self.state.state_dict(), f)
                 with open(os.path.join(partial, SCHEDULER_FILE), "w") as f:
                     json.dump(self.scheduler.state_dict(), f)
+                _fsync_tree(partial)  # the bytes are on disk before the marker says so
+                with open(os.path.join(partial, COMPLETE), "w") as f:
+                    f.write(f"step {self.state.step}\n")
+                    f.flush()
+                    os.fsync(f.fileno())
         except OSError as error:
             if accelerator.is_main_process:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -303,9 +343,10 @@ class Trainer:
         self.scheduler = scheduler  # checkpointed as JSON by save_checkpoint, not by accelerate's pickles
 
         found = self.checkpoints()
-        if args.resume and found:
-            self.load_checkpoint(found[-1])
-            accelerator.print(f"resumed from {found[-1]} at step {self.state.step}")
+        usable = self.usable_checkpoint(found) if args.resume else None
+        if usable:
+            self.load_checkpoint(usable)
+            accelerator.print(f"resumed from {usable} at step {self.state.step}")
         elif args.resume:
             accelerator.print(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 0")
         elif found and accelerator.is_main_process:
