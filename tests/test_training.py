@@ -543,3 +543,22 @@ def test_a_torn_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, corpus
     out = capsys.readouterr().out
     assert f"skipping {newest}" in out and f"resumed from {older} at step 4" in out
     assert json.load(open(os.path.join(args.output_dir, "run.json")))["training"]["steps"] == 10
+
+
+def test_a_second_run_into_a_folder_in_use_stops_at_once(tmp_path, corpus_file):
+    from deriv_lm.training.runlock import LOCK_FILE
+
+    args = tiny_args(tmp_path, corpus_file, max_steps=2, save_every=2)
+    os.makedirs(args.output_dir)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a live run elsewhere
+    try:
+        with open(os.path.join(args.output_dir, LOCK_FILE), "w") as f:
+            json.dump({"pid": other.pid, "host": __import__("socket").gethostname()}, f)
+        with pytest.raises(ValueError, match=f"in use by another run \\(pid {other.pid}\\)"):
+            train_lm(args, cpu=True)
+        assert os.listdir(args.output_dir) == [LOCK_FILE]  # stopped before any work
+    finally:
+        other.kill()
+        other.wait()
+    train_lm(args, cpu=True)  # the holder is gone: its lock is taken over and the run completes
+    assert os.path.exists(os.path.join(args.output_dir, "model.safetensors"))

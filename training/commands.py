@@ -283,6 +283,7 @@ def run_translation(namespace: argparse.Namespace) -> int:
 
 
 def _run_training(train, args, cpu: bool) -> int:
+    from .runlock import release_run_lock
     from .trainer import NonFiniteLoss, TrainingInterrupted
 
     try:
@@ -293,4 +294,6 @@ def _run_training(train, args, cpu: bool) -> int:
     except NonFiniteLoss as error:
         print(f"\n{error}", file=sys.stderr)
         return 1
+    finally:
+        release_run_lock(args.output_dir)
     return 0

@@ -34,6 +34,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from .runlock import acquire_run_lock
+
 
 logger = logging.get_logger("deriv_lm.training")
 CHECKPOINT = re.compile(r"^step-(\d+)$")
@@ -187,6 +189,8 @@ class Trainer:
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
             cpu=cpu,
         )
+        if self.accelerator.is_main_process:  # before any work: a second run into the folder stops here
+            acquire_run_lock(args.output_dir, say=self.accelerator.print)
         set_seed(args.seed)
         self.state = TrainerState()
         self.scheduler = None  # set by train(); saved as JSON with every checkpoint
