@@ -324,3 +324,24 @@ def test_characters_per_token_ignores_padding_left_on_by_a_batched_call(tiny_tok
         tiny_tokenizer.backend_tokenizer.no_padding()  # the fixture is shared by the session
     tokens = sum(len(tiny_tokenizer(t, add_special_tokens=False).input_ids) for t in texts)
     assert before == sum(map(len, texts)) / tokens
+
+
+def test_without_an_atomic_exchange_two_renames_still_replace_the_folder(trained, tmp_path, monkeypatch):
+    """Where renameat2 is missing (not Linux), the swap is two renames; a kill between them leaves the previous
+    version beside the folder, and the next write puts it back before it writes."""
+    from deriv_lm.tokenization import files
+
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    folder = tmp_path / "tok"
+    save_tokenizer(trained[0], folder)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    save_tokenizer(trained[0], folder)
+    assert (folder / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+
+    # a kill between the two renames: the folder is gone, its previous version waits under a temporary name
+    stranded = tmp_path / ".tok.old-99999999-dead"  # no process has this id
+    folder.rename(stranded)
+    save_tokenizer(trained[0], folder)
+    assert (folder / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]

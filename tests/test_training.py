@@ -139,7 +139,8 @@ def test_second_run_reuses_the_tokenized_cache(trained_run, corpus_file, tmp_pat
 # ---- resume after a kill ---------------------------------------------------------------------------
 
 
-def run_cli(args: TrainingArguments, *extra: str, launcher=(sys.executable,)) -> subprocess.Popen:
+def cli_flags(args: TrainingArguments) -> list[str]:
+    """`deriv train lm` flags that give `args`."""
     flags = ["--output-dir", args.output_dir, "--files", *args.files, "--cache-dir", args.cache_dir]
     for name in (
         "vocab_size",
@@ -161,10 +162,14 @@ def run_cli(args: TrainingArguments, *extra: str, launcher=(sys.executable,)) ->
         "dropout",
     ):
         flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return ["train", "lm", "--cpu", "--no-progress", *flags]
+
+
+def run_cli(args: TrainingArguments, *extra: str, launcher=(sys.executable,)) -> subprocess.Popen:
     # one thread per process when several share the 2 cores (a single run keeps torch's default)
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if len(launcher) > 1 else None
     return subprocess.Popen(
-        [*launcher, "-m", "deriv_lm.cli", "train", "lm", "--cpu", "--no-progress", *flags, *extra],
+        [*launcher, "-m", "deriv_lm.cli", *cli_flags(args), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -562,3 +567,90 @@ def test_a_second_run_into_a_folder_in_use_stops_at_once(tmp_path, corpus_file):
         other.wait()
     train_lm(args, cpu=True)  # the holder is gone: its lock is taken over and the run completes
     assert os.path.exists(os.path.join(args.output_dir, "model.safetensors"))
+
+
+# ---- stops and kills outside the loop: data preparation and export -------------------------------------
+
+
+def run_cli_with(args: TrainingArguments, patch: str, *extra: str) -> subprocess.CompletedProcess:
+    """`deriv train lm` in a fresh interpreter, after `patch` (Python source) has replaced one step of the run."""
+    code = f"import os, signal, sys\n{patch}\nfrom deriv_lm.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run(
+        [sys.executable, "-c", code, *cli_flags(args), *extra], capture_output=True, text=True, timeout=300
+    )
+
+
+def files_of(folder: str, leave_out: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """Relative path -> bytes of every file under `folder`."""
+    found = {}
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if name not in leave_out:
+                found[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return found
+
+
+def leftovers(folder: str) -> list[str]:
+    """Temporary folders a writer of `folder` left beside it."""
+    name = os.path.basename(os.path.abspath(folder))
+    return [n for n in os.listdir(os.path.dirname(os.path.abspath(folder))) if n.startswith(f".{name}.")]
+
+
+def send_at(module: str, function: str, signum: int) -> str:
+    """Patch source: `module.function` sends `signum` to its own process, then (if still alive) does its work."""
+    return (
+        f"import {module} as target\noriginal = target.{function}\n"
+        f"def patched(*args, **kwargs):\n    os.kill(os.getpid(), {int(signum)})\n"
+        "    return original(*args, **kwargs)\n"
+        f"target.{function} = patched"
+    )
+
+
+def test_sigterm_while_preparing_the_data_stops_cleanly(tmp_path, corpus_file):
+    args = tiny_args(tmp_path, corpus_file, max_steps=2, save_every=2)
+    done = run_cli_with(args, send_at("deriv_lm.training.lm", "lm_datasets", signal.SIGTERM))
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "SIGTERM received while preparing the data: stopped" in done.stderr
+    assert "Traceback" not in done.stderr
+    from deriv_lm.training.runlock import LOCK_FILE
+
+    present = os.listdir(args.output_dir)
+    assert LOCK_FILE not in present and "model.safetensors" not in present and "checkpoints" not in present
+    assert leftovers(args.output_dir) == []
+
+
+@pytest.fixture
+def finished_run(trained_run, tmp_path, corpus_file):
+    """A copy of a finished run (its checkpoint is at the last step): `--resume` goes straight to the export."""
+    import shutil
+
+    args = tiny_args(tmp_path, corpus_file, cache_dir=trained_run.cache_dir)
+    shutil.copytree(trained_run.output_dir, args.output_dir)
+    return args
+
+
+def test_sigterm_during_the_export_leaves_the_folder_as_it_was(finished_run):
+    before = files_of(finished_run.output_dir)
+    done = run_cli_with(finished_run, send_at("deriv_lm.training.export", "write_card", signal.SIGTERM), "--resume")
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "SIGTERM received while exporting" in done.stderr and "Traceback" not in done.stderr
+    assert files_of(finished_run.output_dir) == before
+    assert leftovers(finished_run.output_dir) == []
+
+
+def test_a_kill_mid_export_leaves_the_old_folder_and_the_next_run_cleans_up(finished_run):
+    from deriv_lm.training.runlock import LOCK_FILE
+
+    before = files_of(finished_run.output_dir)
+    done = run_cli_with(finished_run, send_at("deriv_lm.training.export", "write_card", signal.SIGKILL), "--resume")
+    assert done.returncode == -signal.SIGKILL
+    # the old folder whole (and the lock of the killed run); the new one was being written beside it
+    assert files_of(finished_run.output_dir, leave_out=(LOCK_FILE,)) == before
+    assert len(leftovers(finished_run.output_dir)) == 1
+
+    done = run_cli_with(finished_run, "", "--resume")  # the next run takes over the lock and cleans up
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert leftovers(finished_run.output_dir) == []
+    after = files_of(finished_run.output_dir)
+    assert LOCK_FILE not in after and after["model.safetensors"] == before["model.safetensors"]

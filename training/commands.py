@@ -283,17 +283,15 @@ def run_translation(namespace: argparse.Namespace) -> int:
 
 
 def _run_training(train, args, cpu: bool) -> int:
-    from .runlock import release_run_lock
-    from .trainer import NonFiniteLoss, TrainingInterrupted
+    from .trainer import NonFiniteLoss, TrainingInterrupted, handle_stop_signals
 
     try:
-        train(args, cpu=cpu)
+        with handle_stop_signals():  # a stop anywhere in the run, not only in the loop, ends it cleanly
+            train(args, cpu=cpu)
     except TrainingInterrupted as stop:
         print(f"\n{stop}", file=sys.stderr)
         return 130
     except NonFiniteLoss as error:
         print(f"\n{error}", file=sys.stderr)
         return 1
-    finally:
-        release_run_lock(args.output_dir)
     return 0

@@ -16,6 +16,7 @@ from deriv_lm.tokenization.commands import characters_per_token, corpus_from_arg
 
 from .data import lm_datasets
 from .export import export_folder, run_record
+from .runlock import releases_run_lock
 from .trainer import Task, Trainer
 
 
@@ -94,6 +95,7 @@ def generation_defaults(tokenizer, context_length: int):
     )
 
 
+@releases_run_lock
 def train_lm(args, cpu: bool = False) -> str:
     """Train a Deriv language model as `args` say; returns the exported folder."""
     started = time.perf_counter()

@@ -8,23 +8,16 @@ machine rebooted) is taken over. The file is removed when the process exits.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import socket
 
+from ..tokenization.files import process_alive
+
 
 LOCK_FILE = ".deriv-run.lock"
 _created: set[str] = set()  # output folders this process made when it took their lock
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    return True
 
 
 def acquire_run_lock(output_dir: str, say=print) -> str:
@@ -47,7 +40,7 @@ def acquire_run_lock(output_dir: str, say=print) -> str:
             raise ValueError(
                 f"{output_dir} is in use by a run on {host} (pid {pid}); if that run is gone, delete {path}"
             )
-        if isinstance(pid, int) and _alive(pid):
+        if isinstance(pid, int) and process_alive(pid):
             raise ValueError(
                 f"{output_dir} is in use by another run (pid {pid}); wait for it to finish, or use another "
                 "--output-dir"
@@ -59,6 +52,20 @@ def acquire_run_lock(output_dir: str, say=print) -> str:
     os.replace(tmp, path)
     atexit.register(release_run_lock, output_dir)
     return path
+
+
+def releases_run_lock(train):
+    """For a task's train function: the lock its run took is released when it returns or fails, not only at
+    interpreter exit (a notebook that trained into a folder must not keep other processes out of it)."""
+
+    @functools.wraps(train)
+    def wrapper(args, *more, **options):
+        try:
+            return train(args, *more, **options)
+        finally:
+            release_run_lock(args.output_dir)
+
+    return wrapper
 
 
 def release_run_lock(output_dir: str) -> None:

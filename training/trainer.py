@@ -109,7 +109,40 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class TrainingInterrupted(Exception):
-    """Raised after a checkpoint was saved because the process was asked to stop."""
+    """The process was asked to stop (SIGTERM / SIGINT): in the loop after saving a checkpoint, elsewhere at once."""
+
+
+class StopRequests:
+    """Where SIGTERM and SIGINT go during a run. In the training loop (`defer`) they are noted, and the loop saves
+    a checkpoint at the end of the step and stops. Anywhere else (data preparation, export) they stop the run at
+    once: every folder is written atomically, so a stop there leaves each as it was."""
+
+    def __init__(self):
+        self.defer = False
+        self.received: str | None = None
+        self.phase = "before training"
+
+    def __call__(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.defer:
+            self.received = name
+            return
+        raise TrainingInterrupted(f"{name} received {self.phase}: stopped; no folder was left half-written")
+
+
+STOP = StopRequests()
+
+
+@contextmanager
+def handle_stop_signals():
+    """Route SIGTERM and SIGINT to `STOP` for the duration (the `deriv train` commands wrap the whole run)."""
+    previous = {s: signal.signal(s, STOP) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        STOP.defer, STOP.received, STOP.phase = False, None, "before training"
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 class NonFiniteLoss(Exception):
@@ -194,7 +227,7 @@ class Trainer:
         set_seed(args.seed)
         self.state = TrainerState()
         self.scheduler = None  # set by train(); saved as JSON with every checkpoint
-        self._stop_signal = None
+        STOP.phase = "while preparing the data"
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -282,18 +315,16 @@ class Trainer:
             ) from error
 
     @contextmanager
-    def _stop_on_signals(self):
-        """SIGTERM / SIGINT set a flag; the loop saves a checkpoint at the end of the step and stops."""
-
-        def handler(signum, frame):
-            self._stop_signal = signal.Signals(signum).name
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+    def _deferred_stop(self):
+        """In the loop a stop request waits for the end of the step; outside `deriv train` (the Python API) the
+        handlers are installed for the loop alone."""
+        installed = signal.getsignal(signal.SIGTERM) is STOP
+        with nullcontext() if installed else handle_stop_signals():
+            STOP.defer, STOP.received = True, None
+            try:
+                yield
+            finally:
+                STOP.defer = False
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -397,7 +428,7 @@ class Trainer:
         tokens_since_log, clock = 0, time.perf_counter()
         data_wait = compute = 0.0
 
-        with self._stop_on_signals():
+        with self._deferred_stop():
             while self.state.step < args.max_steps:
                 epoch, step_in_epoch = divmod(self.state.step, steps_per_epoch)
                 train_dl.set_epoch(epoch)
@@ -488,15 +519,16 @@ class Trainer:
                                 f.write(json.dumps(record) + "\n")
                         if args.report_to != "none":
                             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=self.state.step)
-                    stop = self._stop_signal is not None
+                    stop = STOP.received is not None
                     if self.state.step % args.save_every == 0 or stop:
                         path = self.save_checkpoint()
                         if stop:
                             bar.close()
                             raise TrainingInterrupted(
-                                f"{self._stop_signal} received: saved {path}; continue with --resume"
+                                f"{STOP.received} received: saved {path}; continue with --resume"
                             )
         bar.close()
+        STOP.phase = "while exporting (the output folder is as it was; continue with --resume)"
         if args.report_to != "none":
             accelerator.end_training()
         self.model = model

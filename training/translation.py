@@ -25,6 +25,7 @@ from deriv_lm.tokenization.parallel import Pair, ParallelCorpus, default_pairs, 
 from .evaluate import bleu_chrf, translate
 from .export import export_folder, run_record
 from .lm import load_or_train_tokenizer
+from .runlock import releases_run_lock
 from .trainer import Task, Trainer
 
 
@@ -179,6 +180,7 @@ def score(model, tokenizer, pairs: list[Pair], num_beams: int, progress: bool = 
     }
 
 
+@releases_run_lock
 def train_translation(args, cpu: bool = False) -> str:
     """Train a Deriv encoder-decoder as `args` say; returns the exported folder."""
     started = time.perf_counter()
