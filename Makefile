@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml $(LOCK)
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The oldest set: torch 2.6 is a CUDA build from PyPI here (about 3 GB, a minute to install); the tests run
+# The oldest set: torch 2.7 is a CUDA build from PyPI here (about 3 GB, a minute to install); the tests run
 # it on the CPU. Rebuilt whenever the floors or the package's requirements change.
 .venv-oldest/.deriv-installed: pyproject.toml $(OLDEST)
 	rm -rf .venv-oldest
