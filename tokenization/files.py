@@ -40,7 +40,7 @@ def atomic_directory(folder: str | os.PathLike) -> Iterator[str]:
         yield tmp
         if os.path.isdir(folder):
             _carry_over(folder, tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _swap_in(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # after a swap: the previous version, now under the temporary name
@@ -65,7 +65,7 @@ def _carry_over(folder: str, tmp: str) -> None:
             link_or_copy(source, target) if not os.path.islink(source) else os.symlink(os.readlink(source), target)
 
 
-def _fsync_tree(folder: str) -> None:
+def fsync_tree(folder: str) -> None:
     """Every file's bytes, then every directory's entries, on disk before the rename that publishes them."""
     for dirpath, _, filenames in os.walk(folder, topdown=False):
         for filename in filenames:

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from ..tokenization.files import fsync_tree
 from .runlock import acquire_run_lock
 
 
@@ -65,13 +66,6 @@ class TrainerState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
-
-
-def _fsync_tree(folder: str) -> None:
-    for dirpath, _, filenames in os.walk(folder):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
 
 
 def checkpoint_problem(path: str) -> str | None:
@@ -266,7 +260,7 @@ class Trainer:
                     json.dump(self.state.state_dict(), f)
                 with open(os.path.join(partial, SCHEDULER_FILE), "w") as f:
                     json.dump(self.scheduler.state_dict(), f)
-                _fsync_tree(partial)  # the bytes are on disk before the marker says so
+                fsync_tree(partial)  # the bytes are on disk before the marker says so
                 with open(os.path.join(partial, COMPLETE), "w") as f:
                     f.write(f"step {self.state.step}\n")
                     f.flush()
