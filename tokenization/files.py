@@ -59,10 +59,12 @@ def _carry_over(folder: str, tmp: str) -> None:
         source, target = os.path.join(folder, entry), os.path.join(tmp, entry)
         if os.path.lexists(target):
             continue
-        if os.path.isdir(source) and not os.path.islink(source):
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+        elif os.path.isdir(source):
             shutil.copytree(source, target, symlinks=True, copy_function=link_or_copy)
         else:
-            link_or_copy(source, target) if not os.path.islink(source) else os.symlink(os.readlink(source), target)
+            link_or_copy(source, target)
 
 
 def fsync_tree(folder: str) -> None:

@@ -2,7 +2,8 @@
 
 Two runs into one `--output-dir` would interleave checkpoints and metrics. The main process takes the lock
 before any work; a second run stops at once, naming the first. A lock whose process is gone (killed, the
-machine rebooted) is taken over. The file is removed when the process exits.
+machine rebooted) is taken over. The file is removed when the task's train function returns
+(`releases_run_lock`), or at the latest when the process exits.
 """
 
 from __future__ import annotations
