@@ -12,6 +12,7 @@ import os
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .folder import ModelFolder, code_files, read_folder
+from .record import RunRecord
 
 
 CITATION = """@inproceedings{vaswani2017attention,
@@ -26,8 +27,9 @@ CITATION = """@inproceedings{vaswani2017attention,
 
 def parameter_count(folder: ModelFolder) -> int | None:
     """From run.json, else from the safetensors header (no tensor is read)."""
-    if folder.run:
-        return folder.run["model"]["parameters"]
+    run = run_of(folder)
+    if run:
+        return run.model.parameters
     if not folder.has("model.safetensors"):
         return None
     from safetensors import safe_open
@@ -43,34 +45,33 @@ def parameter_count(folder: ModelFolder) -> int | None:
     return total
 
 
-def _dataset_name(run: dict) -> str | None:
-    """The Hub id of the training data, where it was a `datasets` dataset (the metadata wants Hub ids)."""
-    arguments = run.get("arguments", {})
-    return arguments.get("dataset") if arguments.get("dataset") and not arguments.get("files") else None
+def run_of(folder: ModelFolder) -> RunRecord | None:
+    """The folder's run record in the schema (`record.py`), or None when it has no run.json."""
+    return RunRecord.from_dict(folder.run) if folder.run else None
 
 
 def _languages(folder: ModelFolder) -> list[str] | None:
-    run = folder.run
+    run = run_of(folder)
     if not run:
         return None
     if folder.is_seq2seq:
-        return [run["data"]["source_lang"], run["data"]["target_lang"]]
+        return [run.data.source_lang, run.data.target_lang]
     # the embedded default corpus is English; a user's corpus may be anything, so say nothing
-    return ["en"] if run["data"]["corpus"].startswith("default:") else None
+    return ["en"] if run.data.corpus.startswith("default:") else None
 
 
 def eval_results(folder: ModelFolder) -> list[EvalResult]:
     """The run's final metrics as model-index entries: validation perplexity; test BLEU and chrF."""
-    run = folder.run
-    if not run or not run.get("metrics"):
+    run = run_of(folder)
+    if not run:
         return []
-    metrics, data = run["metrics"], run["data"]
+    metrics, data = run.metrics, run.data
     task = folder.pipeline_tag
-    dataset = dict(dataset_type=_dataset_name(run) or "custom", dataset_name=data["corpus"])
+    dataset = dict(dataset_type=data.dataset or "custom", dataset_name=data.corpus)
     if folder.is_seq2seq:
-        dataset["dataset_config"] = f"{data['source_lang']}-{data['target_lang']}"
+        dataset["dataset_config"] = f"{data.source_lang}-{data.target_lang}"
     results = []
-    if metrics.get("val_perplexity") is not None:
+    if metrics.val_perplexity is not None:
         results.append(
             EvalResult(
                 task_type=task,
@@ -78,11 +79,14 @@ def eval_results(folder: ModelFolder) -> list[EvalResult]:
                 dataset_split="validation",
                 metric_type="perplexity",
                 metric_name="Perplexity",
-                metric_value=round(metrics["val_perplexity"], 4),
+                metric_value=round(metrics.val_perplexity, 4),
             )
         )
-    for key, name, signature in (("bleu", "BLEU", "bleu_signature"), ("chrf", "chrF", "chrf_signature")):
-        if metrics.get(key) is not None:
+    for key, name, value, signature in (
+        ("bleu", "BLEU", metrics.bleu, metrics.bleu_signature),
+        ("chrf", "chrF", metrics.chrf, metrics.chrf_signature),
+    ):
+        if value is not None:
             results.append(
                 EvalResult(
                     task_type=task,
@@ -90,8 +94,8 @@ def eval_results(folder: ModelFolder) -> list[EvalResult]:
                     dataset_split="test",
                     metric_type=key,
                     metric_name=name,
-                    metric_value=round(metrics[key], 2),
-                    metric_config=metrics[signature],
+                    metric_value=round(value, 2),
+                    metric_config=signature,
                 )
             )
     return results
@@ -99,7 +103,8 @@ def eval_results(folder: ModelFolder) -> list[EvalResult]:
 
 def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardData:
     kind = "translation" if folder.is_seq2seq else "causal-lm"
-    dataset = _dataset_name(folder.run) if folder.run else None
+    run = run_of(folder)
+    dataset = run.data.dataset if run else None
     return ModelCardData(
         model_name=model_name,
         library_name="transformers",
@@ -160,59 +165,55 @@ print(generator("Return the", max_new_tokens=40)[0]["generated_text"])
 
 
 def _training(folder: ModelFolder) -> str:
-    run = folder.run
+    run = run_of(folder)
     if run is None:
         return (
             "## Training\n\nThis folder has no training records (`run.json`): it was not written by `deriv train`, "
             "so this card states no training data, hyperparameters, compute or evaluation results.\n"
         )
-    a, data, t, hw = run["arguments"], run["data"], run["training"], run["hardware"]
-    tok = run["tokenizer"]
+    data, t, hw, p, tok = run.data, run.training, run.hardware, run.procedure, run.tokenizer
     lines = ["## Tokenizer\n"]
     lines.append(
-        f"Byte-level BPE trained with `tokenizers` on the training data: {tok['vocab_size']:,} ids, "
-        f"{tok['characters_per_token']:.2f} characters per token, special tokens "
-        + ", ".join(f"`{s}`" for s in tok["special_tokens"])
+        f"Byte-level BPE trained with `tokenizers` on the training data: {tok.vocab_size:,} ids, "
+        f"{tok.characters_per_token:.2f} characters per token, special tokens "
+        + ", ".join(f"`{s}`" for s in tok.special_tokens)
         + ".\n"
     )
     lines.append("## Training data\n")
     if folder.is_seq2seq:
-        pairs = data["pairs"]
         lines.append(
-            f"{data['corpus']}: {pairs['train']:,} training, {pairs['validation']:,} validation and "
-            f"{pairs['test']:,} test pairs; {data['skipped_empty']} pairs skipped for an empty side and "
-            f"{data['dropped_too_long']} dropped as longer than {data['context_length']} tokens.\n"
+            f"{data.corpus}: {data.train:,} training, {data.validation:,} validation and "
+            f"{data.test:,} test pairs; {data.skipped_empty} pairs skipped for an empty side and "
+            f"{data.dropped_too_long} dropped as longer than {data.context_length} tokens.\n"
         )
     else:
         lines.append(
-            f"{data['corpus']}: {data['train_blocks']:,} training and {data['validation_blocks']:,} validation "
-            f"blocks of {data['context_length']} tokens (documents split before packing).\n"
+            f"{data.corpus}: {data.train:,} training and {data.validation:,} validation "
+            f"blocks of {data.context_length} tokens (documents split before packing).\n"
         )
     lines.append("## Training procedure\n")
-    schedule = a.get("lr_schedule", "cosine")
     hyper = [
-        ("preset", a["preset"]),
-        ("optimizer", f"AdamW (betas {a['adam_beta1']}, {a['adam_beta2']}), weight decay {a['weight_decay']}"),
-        ("learning rate", f"{a['learning_rate']}, {schedule} schedule, {a['warmup_steps']} warmup steps"),
+        ("preset", p.preset),
+        ("optimizer", f"{p.optimizer} (betas {p.adam_beta1}, {p.adam_beta2}), weight decay {p.weight_decay}"),
+        ("learning rate", f"{p.learning_rate}, {p.lr_schedule} schedule, {p.warmup_steps} warmup steps"),
         (
             "batch",
-            f"{a['batch_size']} per process x {a['gradient_accumulation_steps']} accumulation x "
-            f"{hw['processes']} process(es)",
+            f"{p.batch_size} per process x {p.gradient_accumulation_steps} accumulation x {hw.processes} process(es)",
         ),
-        ("dropout", a["dropout"]),
-        ("gradient clipping", a["max_grad_norm"]),
-        ("seed", a["seed"]),
+        ("dropout", p.dropout),
+        ("gradient clipping", p.max_grad_norm),
+        ("seed", p.seed),
     ]
-    if folder.is_seq2seq:
-        hyper.append(("label smoothing", a["label_smoothing"]))
+    if p.label_smoothing is not None:
+        hyper.append(("label smoothing", p.label_smoothing))
     lines.append("| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in hyper) + "\n")
-    device = hw["gpu"] or f"CPU ({hw['processor']}, {hw['torch_threads']} threads)"
+    device = hw.gpu or f"CPU ({hw.processor}, {hw.torch_threads} threads)"
     lines.append("## Compute\n")
     lines.append(
-        f"{t['steps']:,} optimizer steps, {t['tokens_seen']:,} {'target ' if folder.is_seq2seq else ''}tokens seen, "
-        f"{t['wall_seconds'] / 60:.1f} minutes of wall time on {hw['processes']} x {device}, mixed precision "
-        f"`{hw['mixed_precision']}`; torch {run['versions']['torch']}, "
-        f"transformers {run['versions']['transformers']}.\n"
+        f"{t.steps:,} optimizer steps, {t.tokens_seen:,} {'target ' if folder.is_seq2seq else ''}tokens seen, "
+        f"{t.wall_seconds / 60:.1f} minutes of wall time on {hw.processes} x {device}, mixed precision "
+        f"`{hw.mixed_precision}`; torch {run.versions['torch']}, "
+        f"transformers {run.versions['transformers']}.\n"
     )
     if folder.has("loss.png"):
         lines.append("![Training and validation loss](loss.png)\n")
@@ -220,29 +221,28 @@ def _training(folder: ModelFolder) -> str:
 
 
 def _evaluation(folder: ModelFolder) -> str:
-    run = folder.run
+    run = run_of(folder)
     if not run:
         return ""
-    m = run["metrics"]
+    m = run.metrics
     lines = ["## Evaluation\n"]
-    if m.get("val_perplexity") is not None:
+    if m.val_perplexity is not None:
+        lines.append(f"Validation perplexity: **{m.val_perplexity:.2f}** (loss {m.val_loss:.4f} nats per token).\n")
+    if m.bleu is not None:
         lines.append(
-            f"Validation perplexity: **{m['val_perplexity']:.2f}** (loss {m['val_loss']:.4f} nats per token).\n"
-        )
-    if m.get("bleu") is not None:
-        lines.append(
-            f"On {m['test_pairs']:,} held-out test pairs, beam search with {m['num_beams']} beams "
-            "(scored with sacrebleu):\n\n"
+            f"On {m.test_pairs:,} held-out test pairs, beam search with {m.num_beams} beams through the "
+            "`deriv-translation` pipeline (scored with sacrebleu):\n\n"
             "| | BLEU | chrF |\n| --- | ---: | ---: |\n"
-            f"| this model | {m['bleu']:.2f} | {m['chrf']:.2f} |\n"
-            f"| copying the source | {m['copy_source_bleu']:.2f} | {m['copy_source_chrf']:.2f} |\n\n"
-            f"BLEU signature `{m['bleu_signature']}`; chrF signature `{m['chrf_signature']}`.\n"
+            f"| this model | {m.bleu:.2f} | {m.chrf:.2f} |\n"
+            f"| copying the source | {m.copy_source_bleu:.2f} | {m.copy_source_chrf:.2f} |\n\n"
+            f"BLEU signature `{m.bleu_signature}`; chrF signature `{m.chrf_signature}`.\n"
         )
-        examples = m.get("examples") or []
-        if examples:
+        if m.examples:
             lines.append("| source | reference | this model |\n| --- | --- | --- |")
             cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-            lines += [f"| {cell(e['source'])} | {cell(e['reference'])} | {cell(e['translation'])} |" for e in examples]
+            lines += [
+                f"| {cell(e['source'])} | {cell(e['reference'])} | {cell(e['translation'])} |" for e in m.examples
+            ]
             lines.append("")
     return "\n".join(lines)
 

@@ -40,10 +40,14 @@ class DerivTranslationPipeline(Pipeline):
         return inputs
 
     def _forward(self, model_inputs, **generate_kwargs):
-        return {"output_ids": self.model.generate(**model_inputs, **generate_kwargs)}
+        # subtle: generate returns num_return_sequences rows per source; group them per source, so that the
+        # pipeline's batching (which splits outputs along the first dimension) keeps each source's rows together
+        output_ids = self.model.generate(**model_inputs, **generate_kwargs)
+        sources = model_inputs["input_ids"].shape[0]
+        return {"output_ids": output_ids.reshape(sources, -1, output_ids.shape[-1])}
 
     def postprocess(self, model_outputs):
-        texts = self.tokenizer.batch_decode(model_outputs["output_ids"], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(model_outputs["output_ids"][0], skip_special_tokens=True)
         return [{"translation_text": text.strip()} for text in texts]
 
 

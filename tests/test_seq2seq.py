@@ -246,15 +246,18 @@ PAIRS = [
 @pytest.fixture(scope="module")
 def overfit(tiny_tokenizer):
     """A model trained on PAIRS until greedy decoding reproduces every target exactly."""
-    from deriv_lm.tokenization.parallel import Pair
-    from deriv_lm.training.translation import encode_pairs, make_batch
+    from deriv_lm.training.translation import seq2seq_collator
 
     torch.manual_seed(0)
     config = DerivSeq2SeqConfig(**{**SEQ2SEQ, "hidden_size": 64, "intermediate_size": 128})
     model = DerivForConditionalGeneration(config)
-    examples, dropped = encode_pairs([Pair(s, t) for s, t in PAIRS], tiny_tokenizer, 48)
-    assert dropped == 0
-    batch = make_batch(examples, config)
+    eos = [tiny_tokenizer.eos_token_id]
+    plain = dict(add_special_tokens=False)
+    rows = [
+        {"input_ids": tiny_tokenizer(s, **plain).input_ids, "labels": tiny_tokenizer(t, **plain).input_ids + eos}
+        for s, t in PAIRS
+    ]
+    batch = seq2seq_collator(tiny_tokenizer, model)(rows)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(400):
         loss = model(**batch).loss

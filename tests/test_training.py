@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from deriv_lm.training import TrainingArguments, train_lm
-from deriv_lm.training.args import add_arguments, from_namespace
+from deriv_lm.training.args import build_parser, from_namespace
 
 
 def tiny_args(tmp_path, corpus_file, **overrides) -> TrainingArguments:
@@ -340,11 +340,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, c
 
 
 def parse(argv):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return from_namespace(parser.parse_args(argv))
+    return from_namespace(build_parser().parse_args(argv))
 
 
 def test_flags_override_config_file_which_overrides_preset(tmp_path):

@@ -9,16 +9,11 @@ import torch
 from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from deriv_lm.cli import main
 from deriv_lm.tokenization.parallel import Pair, hub_pairs, local_pairs
-from deriv_lm.training.args import TRANSLATION_PRESETS, TrainingArguments
+from deriv_lm.training.args import TRANSLATION_PRESETS, TranslationTrainingArguments
+from deriv_lm.training.data import LengthGroupedSampler, encoded_pairs
 from deriv_lm.training.evaluate import bleu_chrf
 from deriv_lm.training.trainer import inverse_sqrt
-from deriv_lm.training.translation import (
-    encode_pairs,
-    label_smoothed_loss,
-    length_batches,
-    make_batch,
-    pair_corpus,
-)
+from deriv_lm.training.translation import label_smoothed_loss, pair_corpus, seq2seq_collator
 
 
 # ---- parallel data -----------------------------------------------------------------------------------
@@ -67,7 +62,7 @@ def test_missing_files_and_foreign_default_sources_are_clear_errors(tmp_path):
         (tmp_path / "pairs.txt").write_text("a\tb\n")
         local_pairs(str(tmp_path / "pairs.txt"))
     with pytest.raises(ValueError, match="translates from English.*--dataset"):
-        pair_corpus(TrainingArguments(source_lang="fr", target_lang="de"))
+        pair_corpus(TranslationTrainingArguments(source_lang="fr", target_lang="de"))
 
 
 # ---- encoding and batching ------------------------------------------------------------------------
@@ -86,43 +81,54 @@ CONFIG = DerivSeq2SeqConfig(
 )
 
 
-def test_encoding_appends_eos_to_targets_and_drops_pairs_that_do_not_fit(tiny_tokenizer):
+def test_encoding_appends_eos_to_targets_and_drops_pairs_that_do_not_fit(tiny_tokenizer, tmp_path):
     pairs = [Pair("the fox", "der Fuchs"), Pair("the lazy dog " * 10, "short"), Pair("ok", "x " * 30)]
-    kept, too_long = encode_pairs(pairs, tiny_tokenizer, max_length=16)
+    kept, too_long = encoded_pairs(pairs, tiny_tokenizer, max_length=16, cache_dir=str(tmp_path))
     assert too_long == 2 and len(kept) == 1
-    source, target = kept[0]
-    assert source == tiny_tokenizer("the fox", add_special_tokens=False).input_ids
-    assert target == tiny_tokenizer("der Fuchs", add_special_tokens=False).input_ids + [tiny_tokenizer.eos_token_id]
+    assert kept[0]["input_ids"] == tiny_tokenizer("the fox", add_special_tokens=False).input_ids
+    eos = tiny_tokenizer.eos_token_id
+    assert kept[0]["labels"] == tiny_tokenizer("der Fuchs", add_special_tokens=False).input_ids + [eos]
+    again, _ = encoded_pairs(pairs, tiny_tokenizer, max_length=16, cache_dir=str(tmp_path))
+    assert again.cache_files and again.cache_files == kept.cache_files  # the second time is read from the cache
 
 
-def test_a_batch_pads_masks_and_shifts_once():
-    batch = make_batch([([5, 6, 7], [8, 9, 2]), ([10], [11, 2])], CONFIG)
+def batch_of(tokenizer, rows):
+    model = DerivForConditionalGeneration(CONFIG)
+    return seq2seq_collator(tokenizer, model)([{"input_ids": s, "labels": t} for s, t in rows])
+
+
+def test_a_batch_pads_right_masks_and_shifts_once(tiny_tokenizer):
+    assert tiny_tokenizer.pad_token_id == CONFIG.pad_token_id == 0 and tiny_tokenizer.padding_side == "left"
+    batch = batch_of(tiny_tokenizer, [([5, 6, 7], [8, 9, 2]), ([10], [11, 2])])
     assert batch["input_ids"].tolist() == [[5, 6, 7], [10, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[8, 9, 2], [11, 2, -100]]
     assert batch["decoder_input_ids"].tolist() == [[1, 8, 9], [1, 11, 2]]
+    assert tiny_tokenizer.padding_side == "left"  # the collator pads a copy; the tokenizer is as it was
 
 
-def test_length_batches_cover_every_pair_once_with_little_padding():
+def test_length_grouped_batches_cover_every_pair_once_with_little_padding_and_replay_by_epoch():
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, 40, (1000, 2), generator=g).tolist()
-    examples = [(list(range(3, 3 + s)), list(range(3, 2 + t)) + [2]) for s, t in lengths]
-    batches = length_batches(examples, 32, CONFIG)
-    assert sum(len(b["labels"]) for b in batches) == 1000
-    seen = sorted(tuple(r[r != -100].tolist()) for b in batches for r in b["labels"])
-    assert seen == sorted(tuple(t) for _, t in examples)
-    real = sum(int((b["labels"] != -100).sum()) for b in batches)
-    padded = sum(b["labels"].numel() for b in batches)
-    assert real / padded > 0.95  # unsorted batches of these lengths are about half padding
+    lengths = torch.randint(1, 40, (3200,), generator=g).tolist()
+    sampler = LengthGroupedSampler(lengths, 32, seed=7)
+    order = list(sampler)
+    assert sorted(order) == list(range(3200))
+    batches = [order[i : i + 32] for i in range(0, 3200, 32)]
+    real = sum(lengths[i] for b in batches for i in b)
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    assert real / padded > 0.9  # shuffled batches of these lengths are about half padding
+    assert list(LengthGroupedSampler(lengths, 32, seed=7)) == order  # a resumed run replays the epoch
+    sampler.set_epoch(1)
+    assert list(sampler) != order
 
 
-def test_label_smoothing_zero_is_the_models_loss_and_smoothing_raises_it():
+def test_label_smoothing_zero_is_the_models_loss_and_smoothing_raises_it(tiny_tokenizer):
     torch.manual_seed(0)
     model = DerivForConditionalGeneration(CONFIG).eval()
-    batch = make_batch([([5, 6, 7], [8, 9, 2]), ([10], [11, 2])], CONFIG)
+    batch = batch_of(tiny_tokenizer, [([5, 6, 7], [8, 9, 2]), ([10], [11, 2])])
     targets = (batch["labels"] != -100).sum()
-    torch.testing.assert_close(label_smoothed_loss(0.0)(model, batch, targets), model(**batch).loss)
-    smooth = label_smoothed_loss(0.1)(model, batch, targets)
+    torch.testing.assert_close(label_smoothed_loss(model, batch, targets, 0.0), model(**batch).loss)
+    smooth = label_smoothed_loss(model, batch, targets, 0.1)
     logp = torch.log_softmax(model(**batch).logits, -1)
     real = batch["labels"] != -100
     nll = -logp.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0][real]
@@ -147,11 +153,11 @@ def test_bleu_chrf_with_signature():
 
 def test_translation_presets_validate():
     for name, values in TRANSLATION_PRESETS.items():
-        TrainingArguments(**values, preset=name).validate()
+        TranslationTrainingArguments(**values, preset=name).validate()
     with pytest.raises(ValueError, match="lr_schedule"):
-        TrainingArguments(lr_schedule="linear").validate()
+        TranslationTrainingArguments(lr_schedule="linear")
     with pytest.raises(ValueError, match="label_smoothing"):
-        TrainingArguments(label_smoothing=1.0).validate()
+        TranslationTrainingArguments(label_smoothing=1.0)
 
 
 # ---- end to end ------------------------------------------------------------------------------------
@@ -233,9 +239,10 @@ def test_trained_folder_records_bleu_against_the_copy_baseline(translation_run):
     record = json.loads((out / "run.json").read_text())
     assert record["task"] == "translation"
     assert record["data"]["skipped_empty"] == 2
-    assert sum(record["data"]["pairs"].values()) == 6 * 5 * 12
+    assert record["data"]["unit"] == "pairs" and record["schema_version"] == 2
+    assert sum(record["data"][split] for split in ("train", "validation", "test")) == 6 * 5 * 12
     metrics = record["metrics"]
-    assert metrics["test_pairs"] == record["data"]["pairs"]["test"] > 0
+    assert metrics["test_pairs"] == record["data"]["test"] > 0
     assert "nrefs:1" in metrics["bleu_signature"]
     # a pattern this regular is learned in 300 steps; copying the English source scores far lower
     assert metrics["bleu"] > metrics["copy_source_bleu"] + 20, metrics
@@ -283,7 +290,8 @@ def test_resume_continues_the_translation_run(translation_run, tmp_path, capsys)
     shutil.copytree(out, copy)
     args = ["train", "translation", "--files", str(data), "--output-dir", str(copy), "--resume", "--no-progress"]
     args += ["--pre-norm"]
-    shape = json.loads((out / "run.json").read_text())["arguments"]
+    by_concern = json.loads((out / "run.json").read_text())["arguments"]
+    shape = {name: value for concern in by_concern.values() for name, value in concern.items()}
     for name in (
         "vocab_size",
         "context_length",

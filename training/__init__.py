@@ -1,12 +1,30 @@
-"""Training on `accelerate` and `datasets`: one trainer core (`trainer.py`) and the tasks on it (`lm.py`).
+"""Training on `accelerate` and `datasets`: one driver (`driver.run`) and the tasks on it (`lm`, `translation`).
 
 from deriv_lm.training import TrainingArguments, train_lm
 train_lm(TrainingArguments(max_steps=100))          # the `tiny` preset on the embedded default corpus
 """
 
-from .args import PRESETS, TrainingArguments
-from .lm import train_lm
-from .trainer import NonFiniteLoss, Trainer, TrainingInterrupted
+from .args import PRESETS, TRANSLATION_PRESETS, TrainingArguments, TranslationTrainingArguments
+from .driver import run
+from .lm import LanguageModelTask, train_lm
+from .stops import NonFiniteLoss, TrainingInterrupted
+from .task import Task
+from .trainer import Trainer
+from .translation import TranslationTask, train_translation
 
 
-__all__ = ["PRESETS", "NonFiniteLoss", "Trainer", "TrainingArguments", "TrainingInterrupted", "train_lm"]
+__all__ = [
+    "PRESETS",
+    "TRANSLATION_PRESETS",
+    "LanguageModelTask",
+    "NonFiniteLoss",
+    "Task",
+    "Trainer",
+    "TrainingArguments",
+    "TrainingInterrupted",
+    "TranslationTask",
+    "TranslationTrainingArguments",
+    "run",
+    "train_lm",
+    "train_translation",
+]

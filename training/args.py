@@ -1,148 +1,245 @@
-"""Training arguments: one dataclass, presets, and loading from the command line or a YAML/JSON file.
+"""Training arguments: dataclasses by concern, presets, and parsing with `HfArgumentParser`.
 
+    RunArguments            where the run goes, how it is observed and saved
+    DataArguments           where the text comes from (files, a `datasets` dataset, or the embedded default)
+    TokenizerArguments      an existing tokenizer, or the size of the one to train
+    ModelArguments          the shape shared by both models
+    OptimizationArguments   optimizer, schedule, batch, precision, seed
+    LanguageModelArguments  what only the language-model task uses (documents, validation split)
+    TranslationArguments    what only the translation task uses (languages, sides, smoothing, BLEU)
+
+A task's arguments are one flat dataclass made of these (`TrainingArguments` for the language model,
+`TranslationTrainingArguments` for translation), so `args.learning_rate` reads as before; its flags are
+grouped by concern in `--help`, and a task's `--help` lists only what that task uses. Every value is
+checked in `__post_init__`: `TrainingArguments(max_steps=0)` from Python fails as the command line does.
 Precedence, lowest first: the dataclass defaults, the preset, the `--config` file, the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
-from ..arguments import check_range, integer, number
-
-
-POSITIVE_INTEGERS = (
-    "context_length",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "max_steps",
-    "log_every",
-    "eval_every",
-    "eval_batches",
-    "save_every",
-    "keep_checkpoints",
-    "num_beams",
-)
-OPTIONAL_POSITIVE_INTEGERS = ("encoder_layers", "decoder_layers", "bleu_pairs", "max_documents", "num_proc")
+from ..arguments import check_range
 
 
-@dataclass
-class TrainingArguments:
-    # where
-    output_dir: str = "runs/deriv-tiny"  # the exported model folder; checkpoints go to output_dir/checkpoints
-    preset: str = "tiny"
-    # data (none of files/dataset: the embedded default corpus)
-    files: list[str] = field(default_factory=list)
-    dataset: str | None = None
-    dataset_config: str | None = None
-    split: str = "train"
-    text_column: str = "text"
-    streaming: bool = False
-    max_documents: int | None = None  # with --streaming: how many documents to read (None: all)
-    validation_fraction: float = 0.05  # of the documents, held out before packing (no block straddles both)
-    num_proc: int | None = None  # processes for tokenization (None: one per CPU core, at most 8)
-    cache_dir: str | None = None  # datasets cache (None: the library's default)
-    # translation data: the languages (`translation` column keys, or the gettext catalog's language)
-    source_lang: str = "en"
-    target_lang: str = "de"
-    # tokenizer: an existing folder, or train one of vocab_size on the training documents
-    tokenizer: str | None = None
-    vocab_size: int = 4096
-    # model
-    context_length: int = 128
-    hidden_size: int = 256
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    intermediate_size: int = 1024
-    hidden_act: str = "relu"
-    pre_norm: bool = False
-    dropout: float = 0.1
-    encoder_layers: int | None = None  # translation: per side (None: num_hidden_layers)
-    decoder_layers: int | None = None
-    # optimisation
-    batch_size: int = 16  # sequences per device per micro-batch
-    gradient_accumulation_steps: int = 1
-    max_steps: int = 600  # optimizer steps
-    learning_rate: float = 1e-3
-    lr_schedule: str = "cosine"  # or "inverse_sqrt" (the paper's, §5.3; learning_rate is then its peak)
-    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
-    warmup_steps: int = 60
-    label_smoothing: float = 0.0  # translation: the paper's 0.1 (§5.4)
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98  # the paper's beta_2
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "auto"  # auto: bf16 where the hardware supports it, else fp32; or "no", "bf16", "fp16"
-    seed: int = 1234
-    # observing and saving
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 20
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    report_to: str = "none"  # or "tensorboard" (needs the tensorboard package)
-    resume: bool = False
-    samples: int = 3  # texts generated (or translated) at the end
-    num_beams: int = 4  # translation: beam width for the BLEU evaluation and the exported generation defaults
-    bleu_pairs: int | None = None  # translation: score BLEU on at most this many test pairs (None: all)
-    progress: bool = True
+def arg(default, help: str, **kwargs):
+    """A dataclass field with its `--help` text (HfArgumentParser reads `metadata`)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+class Checked:
+    """Runs every concern's `check` on construction (and on `validate()`), most general concern first."""
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        """Every value's range, in one place: flags, config files and the Python API all pass through here,
-        before any work starts."""
-        from deriv_lm.modeling_deriv.configuration_deriv import HIDDEN_ACTS
-        from deriv_lm.tokenization.bpe import LARGEST_VOCAB_SIZE, SMALLEST_VOCAB_SIZE
+        for cls in reversed(type(self).__mro__):
+            check = cls.__dict__.get("check")
+            if check is not None:
+                check(self)
 
-        for name in POSITIVE_INTEGERS:
-            check_range(name, getattr(self, name), minimum=1, integral=True)
-        for name in OPTIONAL_POSITIVE_INTEGERS:
-            if getattr(self, name) is not None:
-                check_range(name, getattr(self, name), minimum=1, integral=True)
-        for name in ("warmup_steps", "seed", "samples"):
-            check_range(name, getattr(self, name), minimum=0, integral=True)
-        check_range(
-            "vocab_size", self.vocab_size, minimum=SMALLEST_VOCAB_SIZE, maximum=LARGEST_VOCAB_SIZE, integral=True
-        )
-        check_range("learning_rate", self.learning_rate, above=0)
-        check_range("max_grad_norm", self.max_grad_norm, above=0)  # clipping to a negative norm ascends
-        check_range("min_lr_ratio", self.min_lr_ratio, minimum=0, maximum=1)
-        check_range("weight_decay", self.weight_decay, minimum=0)
-        check_range("validation_fraction", self.validation_fraction, above=0, below=1)
-        for name in ("dropout", "label_smoothing", "adam_beta1", "adam_beta2"):
-            check_range(name, getattr(self, name), minimum=0, below=1)
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
-                f"({self.num_attention_heads}): each head gets hidden_size / heads dimensions"
-            )
-        choices = {
-            "hidden_act": HIDDEN_ACTS,
-            "mixed_precision": ("auto", "no", "bf16", "fp16"),
-            "report_to": ("none", "tensorboard"),
-            "lr_schedule": ("cosine", "inverse_sqrt"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"`{name}` must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if self.files and self.dataset:
-            raise ValueError("Pass either `files` or `dataset`, not both")
+
+def _positive(args, *names: str, optional: bool = False) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not (optional and value is None):
+            check_range(name, value, minimum=1, integral=True)
+
+
+def _choice(args, name: str) -> None:
+    allowed = typing.get_args(typing.get_type_hints(type(args))[name])
+    if getattr(args, name) not in allowed:
+        raise ValueError(f"`{name}` must be one of {', '.join(allowed)}; got {getattr(args, name)!r}")
+
+
+@dataclass
+class RunArguments(Checked):
+    _argument_group_name = "run: where it goes, how it is observed and saved"
+    concern = "run"  # its key in the run record's `arguments`
+
+    output_dir: str = arg("runs/deriv-tiny", "the exported model folder; checkpoints go to OUTPUT_DIR/checkpoints")
+    preset: str = arg("tiny", "the named configuration the other values start from")
+    log_every: int = arg(10, "optimizer steps between training-loss records in metrics.jsonl")
+    eval_every: int = arg(100, "optimizer steps between validation passes")
+    save_every: int = arg(200, "optimizer steps between checkpoints")
+    keep_checkpoints: int = arg(2, "checkpoints kept (older ones are removed)")
+    report_to: Literal["none", "tensorboard"] = arg("none", "also log to tensorboard (needs the tensorboard package)")
+    resume: bool = arg(False, "continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints")
+    samples: int = arg(3, "texts generated (or translated) at the end")
+    progress: bool = arg(True, "show progress bars")
+
+    def check(self) -> None:
+        _positive(self, "log_every", "eval_every", "save_every", "keep_checkpoints")
+        check_range("samples", self.samples, minimum=0, integral=True)
+        _choice(self, "report_to")
 
     @property
     def checkpoint_dir(self) -> str:
         return os.path.join(self.output_dir, "checkpoints")
 
 
-# Each preset overrides only what differs from the defaults (which are `tiny`).
+@dataclass
+class DataArguments(Checked):
+    _argument_group_name = "data (none of --files / --dataset: the embedded default corpus)"
+    concern = "data"  # its key in the run record's `arguments`
+
+    files: list[str] = arg([], "local files: .txt, .jsonl, .json, .csv, .parquet (translation: .tsv, .jsonl)")
+    dataset: str | None = arg(None, "a `datasets` dataset: a local folder or a name on the Hub")
+    dataset_config: str | None = arg(None, "the dataset's configuration name")
+    split: str = arg("train", "the dataset's split to read")
+    num_proc: int | None = arg(None, "processes for tokenization (default: one per CPU core, at most 8)")
+    cache_dir: str | None = arg(None, "the `datasets` cache (default: the library's)")
+
+    def check(self) -> None:
+        _positive(self, "num_proc", optional=True)
+        if self.files and self.dataset:
+            raise ValueError("Pass either `files` or `dataset`, not both")
+
+
+@dataclass
+class TokenizerArguments(Checked):
+    _argument_group_name = "tokenizer"
+    concern = "tokenizer"  # its key in the run record's `arguments`
+
+    tokenizer: str | None = arg(None, "an existing tokenizer folder (default: train one on the training split)")
+    vocab_size: int = arg(4096, "ids in the tokenizer to train (and so rows of the embedding)")
+
+    def check(self) -> None:
+        from ..tokenization.bpe import LARGEST_VOCAB_SIZE, SMALLEST_VOCAB_SIZE
+
+        check_range(
+            "vocab_size", self.vocab_size, minimum=SMALLEST_VOCAB_SIZE, maximum=LARGEST_VOCAB_SIZE, integral=True
+        )
+
+
+@dataclass
+class ModelArguments(Checked):
+    _argument_group_name = "model"
+    concern = "model"  # its key in the run record's `arguments`
+
+    context_length: int = arg(128, "positions the model reads (max_position_embeddings)")
+    hidden_size: int = arg(256, "d_model")
+    num_hidden_layers: int = arg(4, "layers (translation: per side, unless --encoder-layers / --decoder-layers)")
+    num_attention_heads: int = arg(4, "heads; each gets hidden_size / heads dimensions")
+    intermediate_size: int = arg(1024, "d_ff, the feed-forward width")
+    hidden_act: Literal["relu", "gelu", "gelu_new", "silu"] = arg("relu", "the feed-forward activation")
+    pre_norm: bool = arg(False, "LayerNorm before each sublayer (GPT-2) instead of after it (the paper)")
+    dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
+
+    def check(self) -> None:
+        from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS
+
+        _positive(self, "context_length", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        _positive(self, "intermediate_size")
+        check_range("dropout", self.dropout, minimum=0, below=1)
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"`hidden_act` must be one of {', '.join(HIDDEN_ACTS)}; got {self.hidden_act!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads}): each head gets hidden_size / heads dimensions"
+            )
+
+
+@dataclass
+class OptimizationArguments(Checked):
+    _argument_group_name = "optimisation"
+    concern = "optimisation"  # its key in the run record's `arguments`
+
+    batch_size: int = arg(16, "sequences (or pairs) per device per micro-batch")
+    gradient_accumulation_steps: int = arg(1, "micro-batches per optimizer step")
+    max_steps: int = arg(600, "optimizer steps")
+    learning_rate: float = arg(1e-3, "the peak learning rate")
+    lr_schedule: Literal["cosine", "inverse_sqrt"] = arg("cosine", "warmup then cosine, or the paper's (§5.3)")
+    min_lr_ratio: float = arg(0.1, "cosine decays to learning_rate * min_lr_ratio")
+    warmup_steps: int = arg(60, "steps of linear warmup")
+    weight_decay: float = arg(0.1, "AdamW weight decay on matrices (never on biases or LayerNorm)")
+    adam_beta1: float = arg(0.9, "AdamW beta_1")
+    adam_beta2: float = arg(0.98, "AdamW beta_2 (the paper's 0.98)")
+    max_grad_norm: float = arg(1.0, "gradients are clipped to this global norm")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = arg("auto", "auto: bf16 where the GPU supports it")
+    seed: int = arg(1234, "seeds every random number generator, the data split and the shuffle")
+
+    def check(self) -> None:
+        _positive(self, "batch_size", "gradient_accumulation_steps", "max_steps")
+        for name in ("warmup_steps", "seed"):
+            check_range(name, getattr(self, name), minimum=0, integral=True)
+        check_range("learning_rate", self.learning_rate, above=0)
+        check_range("max_grad_norm", self.max_grad_norm, above=0)  # clipping to a negative norm ascends
+        check_range("min_lr_ratio", self.min_lr_ratio, minimum=0, maximum=1)
+        check_range("weight_decay", self.weight_decay, minimum=0)
+        for name in ("adam_beta1", "adam_beta2"):
+            check_range(name, getattr(self, name), minimum=0, below=1)
+        _choice(self, "lr_schedule")
+        _choice(self, "mixed_precision")
+
+
+@dataclass
+class LanguageModelArguments(Checked):
+    _argument_group_name = "language model"
+    concern = "language_model"  # its key in the run record's `arguments`
+
+    text_column: str = arg("text", "the column of --files / --dataset that holds the text")
+    streaming: bool = arg(False, "stream --dataset instead of downloading it whole")
+    max_documents: int | None = arg(None, "read at most this many documents (the tokenizer too)")
+    validation_fraction: float = arg(0.05, "documents held out for validation, before anything is trained")
+    eval_batches: int = arg(20, "validation batches per evaluation")
+
+    def check(self) -> None:
+        _positive(self, "max_documents", optional=True)
+        _positive(self, "eval_batches")
+        check_range("validation_fraction", self.validation_fraction, above=0, below=1)
+
+
+@dataclass
+class TranslationArguments(Checked):
+    _argument_group_name = "translation"
+    concern = "translation"  # its key in the run record's `arguments`
+
+    source_lang: str = arg("en", "source language (a `translation` column key, or English for the default)")
+    target_lang: str = arg("de", "target language")
+    encoder_layers: int | None = arg(None, "encoder layers (default: num_hidden_layers)")
+    decoder_layers: int | None = arg(None, "decoder layers (default: num_hidden_layers)")
+    label_smoothing: float = arg(0.0, "the paper's 0.1 (§5.4)")
+    num_beams: int = arg(4, "beam width for the BLEU evaluation and the exported generation defaults")
+    bleu_pairs: int | None = arg(None, "score BLEU on at most this many test pairs (default: all)")
+
+    def check(self) -> None:
+        _positive(self, "num_beams")
+        _positive(self, "encoder_layers", "decoder_layers", "bleu_pairs", optional=True)
+        check_range("label_smoothing", self.label_smoothing, minimum=0, below=1)
+
+
+SHARED = (RunArguments, DataArguments, TokenizerArguments, ModelArguments, OptimizationArguments)
+
+
+@dataclass
+class TrainingArguments(
+    LanguageModelArguments, OptimizationArguments, ModelArguments, TokenizerArguments, DataArguments, RunArguments
+):
+    """Everything `deriv train lm` takes, as one object (the language-model task's arguments)."""
+
+    concerns: typing.ClassVar = (*SHARED, LanguageModelArguments)
+
+
+@dataclass
+class TranslationTrainingArguments(
+    TranslationArguments, OptimizationArguments, ModelArguments, TokenizerArguments, DataArguments, RunArguments
+):
+    """Everything `deriv train translation` takes, as one object."""
+
+    concerns: typing.ClassVar = (*SHARED, TranslationArguments)
+
+
+# Each preset overrides only what differs from the defaults (which are the language model's `tiny`).
 PRESETS: dict[str, dict] = {
     # The main job: about 4.2 M parameters, 600 steps of 16 x 128 tokens; minutes on 2 CPU cores.
     "tiny": {},
@@ -207,7 +304,6 @@ TRANSLATION_PRESETS: dict[str, dict] = {
         label_smoothing=0.1,
         eval_every=200,
         save_every=400,
-        eval_batches=10,
     ),
     # The paper's base model (65 M parameters with its 37 000-token vocabulary); a GPU run.
     "base": dict(
@@ -230,23 +326,43 @@ TRANSLATION_PRESETS: dict[str, dict] = {
     ),
 }
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field (--max-steps 100, --pre-norm / --no-pre-norm, --files a.txt b.txt), plus --config."""
-    parser.add_argument("--config", help="a YAML or JSON file of training arguments")
-    for f in dataclasses.fields(TrainingArguments):
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        elif kind.startswith("list"):
-            parser.add_argument(flag, nargs="+", default=None)
-        else:
-            convert = integer() if kind.startswith("int") else number() if kind.startswith("float") else str
-            parser.add_argument(flag, type=convert, default=None)
+PRESETS_OF = {TrainingArguments: PRESETS, TranslationTrainingArguments: TRANSLATION_PRESETS}
 
 
-def load_config_file(path: str) -> dict:
+def build_parser(kind: type = TrainingArguments, **parser_kwargs):
+    """`kind`'s flags, one group per concern, made by `HfArgumentParser` (`--max-steps 100`, `--pre-norm`,
+    `--no-progress`, `--files a.txt b.txt`), plus `--config` and `--cpu`."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    parser_kwargs.setdefault("formatter_class", argparse.HelpFormatter)
+    return finish_flags(HfArgumentParser(kind.concerns, **parser_kwargs), kind)
+
+
+def finish_flags(parser, kind: type):
+    """Add --config and --cpu to an `HfArgumentParser` of `kind`'s concerns, and make every flag that is not
+    given absent from the parsed namespace (default SUPPRESS), so that `from_namespace` can put the flags
+    above the file and the preset; the help states each field's default instead."""
+    import argparse
+
+    defaults = {f.name: f for f in dataclasses.fields(kind)}
+    for action in parser._actions:
+        if action.dest in defaults and action.default is not argparse.SUPPRESS:
+            if action.help and not action.option_strings[0].startswith("--no") and "default" not in action.help:
+                action.help += f" (default: {_default_of(defaults[action.dest])})"
+            action.default = argparse.SUPPRESS
+    parser.add_argument("--config", help="a YAML or JSON file of training arguments (flags override it)")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
+    return parser
+
+
+def _default_of(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def load_config_file(path: str, kind: type = TrainingArguments) -> dict:
+    """A YAML or JSON file's training arguments, each checked against the type of its field."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"No such config file: {path}")
     import yaml
@@ -255,51 +371,53 @@ def load_config_file(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             values = (yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)) or {}
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        kind = "YAML" if path.endswith((".yaml", ".yml")) else "JSON"
-        raise ValueError(f"{path}: not valid {kind} ({' '.join(str(error).split())})") from error
+        kind_name = "YAML" if path.endswith((".yaml", ".yml")) else "JSON"
+        raise ValueError(f"{path}: not valid {kind_name} ({' '.join(str(error).split())})") from error
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of argument names to values")
-    kinds = {f.name: f.type for f in dataclasses.fields(TrainingArguments)}
-    unknown = sorted(set(values) - set(kinds))
+    hints = typing.get_type_hints(kind)
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"{path}: unknown training arguments {unknown}")
-    return {name: _from_file(path, name, value, kinds[name]) for name, value in values.items()}
+    return {name: _from_file(path, name, value, hints[name]) for name, value in values.items()}
 
 
-def _from_file(path: str, name: str, value, kind: str):
+def _from_file(path: str, name: str, value, hint):
     """A config file's value as the field's type. YAML 1.1 reads `3e-4` (no dot) as a string, so a
     float field accepts the text of a number; anything else of the wrong type is refused by name."""
-    optional = kind.endswith("| None")
-    kind = kind.removesuffix(" | None")
-    if value is None and optional:
-        return None
-    if kind == "float" and isinstance(value, str):
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, str):
         try:
             return float(value)
         except ValueError:
             pass
-    if kind.startswith("list") and isinstance(value, str):
+    if origin is list and isinstance(value, str):
         return [value]
-    ok = {
-        "bool": lambda v: isinstance(v, bool),
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "str": lambda v: isinstance(v, str),
-    }.get(kind, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+    checks = {
+        bool: (lambda v: isinstance(v, bool), "true or false"),
+        int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+        float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+        list: (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of text"),
+    }
+    ok, wanted = checks.get(origin or hint, (lambda v: isinstance(v, str), "text"))
     if not ok(value):
-        wanted = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "text"}.get(
-            kind, "a list of text"
-        )
         raise ValueError(f"{path}: `{name}` must be {wanted}, got {value!r}")
     return value
 
 
-def from_namespace(namespace: argparse.Namespace, presets: dict[str, dict] = PRESETS) -> TrainingArguments:
-    """Defaults < preset (of the task's `presets`) < --config file < command-line flags."""
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    given = {k: v for k, v in vars(namespace).items() if k in names and v is not None}
-    from_file = load_config_file(namespace.config) if getattr(namespace, "config", None) else {}
+def from_namespace(namespace, kind: type = TrainingArguments):
+    """Defaults < preset (of the task's presets) < --config file < command-line flags."""
+    presets = PRESETS_OF[kind]
+    names = {f.name for f in dataclasses.fields(kind)}
+    given = {k: v for k, v in vars(namespace).items() if k in names}
+    from_file = load_config_file(namespace.config, kind) if getattr(namespace, "config", None) else {}
     preset = given.get("preset", from_file.get("preset", "tiny"))
     if preset not in presets:
         raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(presets)}")
-    return TrainingArguments(**{**presets[preset], **from_file, **given, "preset": preset})
+    return kind(**{**presets[preset], **from_file, **given, "preset": preset})

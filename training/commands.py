@@ -11,27 +11,44 @@ from ..cli import one_line
 from . import args as training_args
 
 
+class TaskParser:
+    """Made on first use: `HfArgumentParser` (it imports transformers) with deriv's one-line errors."""
+
+    def __new__(cls, *args, **kwargs):
+        from transformers import HfArgumentParser
+
+        from ..cli import Parser
+
+        class DerivArgumentParser(Parser, HfArgumentParser):
+            pass
+
+        return DerivArgumentParser(*args, **kwargs)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="task", required=True)
+    """`deriv train lm` and `deriv train translation`: each lists only the flags its task uses, grouped by
+    concern (the dataclasses of `args.py`, turned into flags by `HfArgumentParser`)."""
+    sub = parser.add_subparsers(dest="task", required=True, parser_class=TaskParser)
     lm = sub.add_parser(
         "lm",
+        dataclass_types=training_args.TrainingArguments.concerns,
+        formatter_class=argparse.HelpFormatter,
         help="train a Deriv language model (no arguments: the tiny preset on the embedded default corpus)",
-        description="Train a Deriv decoder. Flags override --config, which overrides --preset. Under "
-        "`accelerate launch` the same command runs on several GPUs or nodes.",
+        description="Train a Deriv decoder. Flags override --config, which overrides --preset (tiny, small, "
+        "gpt2-124m). Under `accelerate launch` the same command runs on several GPUs or nodes.",
     )
-    training_args.add_arguments(lm)
-    lm.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
+    training_args.finish_flags(lm, training_args.TrainingArguments)
     lm.set_defaults(func=run_lm)
-
     mt = sub.add_parser(
         "translation",
+        dataclass_types=training_args.TranslationTrainingArguments.concerns,
+        formatter_class=argparse.HelpFormatter,
         help="train a Deriv encoder-decoder (no arguments: the tiny preset on the embedded en->de pairs)",
         description="Train a Deriv encoder-decoder on source/target pairs: --files (.tsv source<TAB>target, "
         ".jsonl), --dataset (a `translation` column, the WMT/OPUS layout), or by default this machine's gettext "
         "catalogs (English -> --target-lang). Flags override --config, which overrides --preset (tiny, base).",
     )
-    training_args.add_arguments(mt)
-    mt.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
+    training_args.finish_flags(mt, training_args.TranslationTrainingArguments)
     mt.set_defaults(func=run_translation)
 
 
@@ -278,12 +295,12 @@ def run_lm(namespace: argparse.Namespace) -> int:
 def run_translation(namespace: argparse.Namespace) -> int:
     from .translation import train_translation
 
-    args = training_args.from_namespace(namespace, training_args.TRANSLATION_PRESETS)
+    args = training_args.from_namespace(namespace, training_args.TranslationTrainingArguments)
     return _run_training(train_translation, args, namespace.cpu)
 
 
 def _run_training(train, args, cpu: bool) -> int:
-    from .trainer import NonFiniteLoss, TrainingInterrupted, handle_stop_signals
+    from .stops import NonFiniteLoss, TrainingInterrupted, handle_stop_signals
 
     try:
         with handle_stop_signals():  # a stop anywhere in the run, not only in the loop, ends it cleanly

@@ -15,8 +15,9 @@ import os
 from collections.abc import Iterator
 
 import datasets
+import torch
 
-from deriv_lm.tokenization.corpus import Corpus
+from ..tokenization.corpus import Corpus
 
 
 def _documents(corpus: Corpus, max_documents: int | None) -> Iterator[dict]:
@@ -80,14 +81,21 @@ def tokenize_and_pack(documents, tokenizer, context_length: int, num_proc: int |
     return tokenized.map(pack, batched=True, batch_size=1000, desc=f"packing into blocks of {context_length}")
 
 
-def lm_datasets(corpus: Corpus, tokenizer, args) -> tuple:
-    """(train, validation) datasets of `input_ids` blocks, split by document before packing."""
+def split_documents(corpus: Corpus, args):
+    """The corpus's documents (at most `max_documents`) split into train / test (validation) by `seed`,
+    before anything is trained on them: the tokenizer then learns from the training documents alone."""
     documents = documents_dataset(corpus, args.max_documents, args.cache_dir)
     if len(documents) < 2:
         raise ValueError(
             f"The corpus has {len(documents)} document; at least 2 are needed to hold out a validation split."
         )
-    split = documents.train_test_split(test_size=args.validation_fraction, seed=args.seed, shuffle=True)
+    return documents.train_test_split(test_size=args.validation_fraction, seed=args.seed, shuffle=True)
+
+
+def lm_datasets(documents, tokenizer, args) -> tuple:
+    """(train, validation) datasets of `input_ids` blocks from `documents` (a `Corpus`, or its
+    `split_documents`), split by document before packing."""
+    split = split_documents(documents, args) if isinstance(documents, Corpus) else documents
     train = tokenize_and_pack(split["train"], tokenizer, args.context_length, args.num_proc)
     validation = tokenize_and_pack(split["test"], tokenizer, args.context_length, args.num_proc)
     for name, part in (("training", train), ("validation", validation)):
@@ -97,3 +105,58 @@ def lm_datasets(corpus: Corpus, tokenizer, args) -> tuple:
                 "corpus, a shorter --context-length, or a larger --validation-fraction."
             )
     return train.with_format("torch"), validation.with_format("torch")
+
+
+# ---- translation pairs ----------------------------------------------------------------------------------
+
+
+def _pair_rows(pairs) -> Iterator[dict]:
+    for pair in pairs:
+        yield {"source": pair.source, "target": pair.target}
+
+
+def encoded_pairs(pairs, tokenizer, max_length: int, cache_dir: str | None = None) -> tuple:
+    """(dataset of `input_ids`, `labels` = target ids + <eos>, `length`; pairs dropped for length).
+
+    Pairs longer than `max_length` on either side are dropped, never truncated: a cut target would teach
+    the model to stop early. Tokenization is a cached `datasets.map`, as the language model's blocks are."""
+    eos = tokenizer.eos_token_id
+    key = hashlib.sha256("\n".join(f"{p.source}\t{p.target}" for p in pairs).encode()).hexdigest()[:16]
+    rows = datasets.Dataset.from_generator(
+        _pair_rows, gen_kwargs={"pairs": pairs}, cache_dir=cache_dir, config_name=key
+    )
+
+    def encode(batch):
+        # special-token spellings in the text stay text; only this code appends <eos>
+        plain = dict(add_special_tokens=False, split_special_tokens=True, verbose=False)
+        sources = tokenizer(batch["source"], **plain).input_ids
+        targets = [t + [eos] for t in tokenizer(batch["target"], **plain).input_ids]
+        return {
+            "input_ids": sources,
+            "labels": targets,
+            "length": [max(len(s), len(t)) for s, t in zip(sources, targets, strict=True)],
+        }
+
+    encoded = rows.map(encode, batched=True, remove_columns=rows.column_names, desc="tokenizing pairs")
+    kept = encoded.filter(lambda length: length <= max_length, input_columns="length", desc="dropping long pairs")
+    return kept, len(encoded) - len(kept)
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """transformers' length-grouped order (megabatches of 50 batches, each sorted by length, so a batch pads
+    to nearly its own lengths), made a function of (seed, epoch) so that a resumed run replays it."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:  # accelerate calls it through the loader, every epoch
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))

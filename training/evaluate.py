@@ -45,32 +45,25 @@ def sliding_window_perplexity(model, token_ids: list[int], window: int, stride: 
 def translate(
     model, tokenizer, sources: list[str], batch_size: int = 32, progress: bool = False, **generate_kwargs
 ) -> list[str]:
-    """Translate `sources` with `model.generate` (its generation config, overridden by `generate_kwargs`).
+    """Translate `sources` through `DerivTranslationPipeline`, the code a Hub user runs (`pipeline(model=folder)`),
+    with the model's generation config overridden by `generate_kwargs`.
 
-    Sources are decoded in batches of similar length (less padding, fewer wasted beam steps) and
-    returned in the order given, `num_return_sequences` per source one after another; a source longer
-    than the model reads is truncated to it.
+    Sources go in batches of similar length (less padding, fewer wasted beam steps) and come back in the
+    order given, `num_return_sequences` per source one after another; a source longer than the model
+    reads is truncated to it.
     """
     from tqdm.auto import tqdm
 
+    from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
+
     model.eval()
-    n = generate_kwargs.get("num_return_sequences") or 1
+    translator = DerivTranslationPipeline(model=model, tokenizer=tokenizer, batch_size=batch_size)
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    outputs = translator((sources[i] for i in order), **generate_kwargs)
     results: list[list[str]] = [[] for _ in sources]
-    limit = model.config.max_position_embeddings
-    for begin in tqdm(range(0, len(order), batch_size), desc="translating", disable=not progress):
-        chunk = order[begin : begin + batch_size]
-        inputs = tokenizer(
-            [sources[i] for i in chunk],
-            add_special_tokens=False,
-            padding=True,
-            truncation=True,
-            max_length=limit,
-            return_tensors="pt",
-        ).to(model.device)
-        texts = tokenizer.batch_decode(model.generate(**inputs, **generate_kwargs), skip_special_tokens=True)
-        for j, i in enumerate(chunk):
-            results[i] = [t.strip() for t in texts[j * n : (j + 1) * n]]
+    bar = tqdm(outputs, total=len(order), desc="translating", disable=not progress)
+    for i, output in zip(order, bar, strict=True):
+        results[i] = [o["translation_text"] for o in output]
     return [text for texts in results for text in texts]
 
 

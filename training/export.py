@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -9,9 +10,19 @@ import re
 
 import torch
 
-from deriv_lm.hub_card import write_card
-from deriv_lm.tokenization.bpe import make_portable
-from deriv_lm.tokenization.files import atomic_directory
+from ..hub_card import write_card
+from ..hub_card.record import (
+    DataRecord,
+    HardwareRecord,
+    MetricsRecord,
+    ModelRecord,
+    ProcedureRecord,
+    RunRecord,
+    TokenizerRecord,
+    TrainingRecord,
+)
+from ..tokenization.bpe import make_portable
+from ..tokenization.files import atomic_directory
 
 
 def plot_losses(history: list[dict], path: str) -> bool:
@@ -68,41 +79,49 @@ def _portable(path: str, run_dir: str) -> str:
     return os.path.basename(path.rstrip(os.sep)) or path
 
 
-def run_record(
-    task: str, args, data: dict, tokenizer, chars_per_token, model, state, accelerator, seconds, metrics
-) -> dict:
-    """What produced an exported folder (run.json): the model card and `deriv check` read it from there."""
+def run_record(task, args, data: dict, tokenizer, chars_per_token, model, state, accelerator, seconds, metrics):
+    """What produced an exported folder (run.json, the `hub_card.record` schema): the card reads it."""
     import accelerate
     import datasets
     import tokenizers
     import transformers
 
-    record = {
-        "task": task,
-        "arguments": {k: v for k, v in vars(args).items()},
-        "data": data,
-        "tokenizer": {
-            "vocab_size": len(tokenizer),
-            "characters_per_token": chars_per_token,
-            "special_tokens": tokenizer.all_special_tokens,
+    record = RunRecord(
+        task=task.name,
+        arguments={
+            concern.concern: {f.name: getattr(args, f.name) for f in dataclasses.fields(concern)}
+            for concern in args.concerns
         },
-        "model": {"parameters": sum(p.numel() for p in model.parameters()), "config": model.config.to_diff_dict()},
-        "training": {
-            "steps": state.step,
-            "tokens_seen": state.tokens_seen,
-            "train_seconds": state.train_seconds,
-            "wall_seconds": seconds,
-        },
-        "hardware": {
-            "device": str(accelerator.device),
-            "processes": accelerator.num_processes,
-            "mixed_precision": accelerator.mixed_precision,
-            "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },
-        "versions": {
+        data=DataRecord(**data),
+        tokenizer=TokenizerRecord(len(tokenizer), chars_per_token, tokenizer.all_special_tokens),
+        model=ModelRecord(sum(p.numel() for p in model.parameters()), model.config.to_diff_dict()),
+        procedure=ProcedureRecord(
+            preset=args.preset,
+            optimizer="AdamW",
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            weight_decay=args.weight_decay,
+            learning_rate=args.learning_rate,
+            lr_schedule=args.lr_schedule,
+            warmup_steps=args.warmup_steps,
+            batch_size=args.batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            dropout=args.dropout,
+            max_grad_norm=args.max_grad_norm,
+            seed=args.seed,
+            label_smoothing=getattr(args, "label_smoothing", None),
+        ),
+        training=TrainingRecord(state.step, state.tokens_seen, state.train_seconds, seconds),
+        hardware=HardwareRecord(
+            device=str(accelerator.device),
+            processes=accelerator.num_processes,
+            mixed_precision=accelerator.mixed_precision,
+            torch_threads=torch.get_num_threads(),
+            platform=platform.platform(),
+            processor=platform.processor() or platform.machine(),
+            gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        ),
+        versions={
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -110,9 +129,9 @@ def run_record(
             "datasets": datasets.__version__,
             "tokenizers": tokenizers.__version__,
         },
-        "metrics": metrics,
-    }
-    return without_local_paths(record, args.output_dir)
+        metrics=MetricsRecord(**metrics),
+    )
+    return without_local_paths(record.to_dict(), args.output_dir)
 
 
 def export_folder(output_dir, model, state_dict, tokenizer, record, history, say=print, pipeline_class=None) -> None:

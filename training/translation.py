@@ -1,32 +1,29 @@
-"""The translation task: source -> target pairs, the encoder-decoder, the same trainer core.
+"""The translation task: source -> target pairs, the encoder-decoder, the same driver.
 
 pairs (default gettext catalogs, local TSV/JSONL, or a `datasets` dataset)
-  --hash split--> train / validation / test
-  --tokenize--> source ids | target ids + <eos>     (one shared BPE vocabulary, trained on both sides)
-  --sort by length, cut into batches--> few pad tokens per batch; the loader shuffles the batches
-  --labels shifted right once--> decoder_input_ids = [<bos>, y_1, ..., y_{n-1}], labels = [y_1, ..., <eos>]
-  --Trainer (label-smoothed cross-entropy)--> BLEU / chrF on the test split with beam search
+  --hash split--> train / validation / test            (before anything is trained on them)
+  --tokenizer--> one shared BPE vocabulary, trained on both sides of the training pairs
+  --datasets.map--> source ids | target ids + <eos>    (cached; pairs longer than the context are dropped)
+  --length-grouped sampler--> batches of similar length: few pad tokens
+  --DataCollatorForSeq2Seq--> right padding; labels shifted right once into decoder_input_ids
+  --driver (label-smoothed cross-entropy)--> BLEU / chrF on the test split through DerivTranslationPipeline
 """
 
 from __future__ import annotations
 
-import os
+import copy
 import time
 
 import torch
 from torch.nn import functional as F
 
-from deriv_lm.modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
-from deriv_lm.modeling_deriv.modeling_deriv_seq2seq import shift_tokens_right
-from deriv_lm.modeling_deriv.pipeline_deriv import DerivTranslationPipeline
-from deriv_lm.tokenization.commands import characters_per_token
-from deriv_lm.tokenization.parallel import Pair, ParallelCorpus, default_pairs, hub_pairs, local_pairs, split_pairs
-
+from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
+from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
+from ..tokenization.parallel import Pair, ParallelCorpus, default_pairs, hub_pairs, local_pairs, split_pairs
+from .data import LengthGroupedSampler, encoded_pairs
+from .driver import run
 from .evaluate import bleu_chrf, translate
-from .export import export_folder, run_record
-from .lm import load_or_train_tokenizer
-from .runlock import releases_run_lock
-from .trainer import Task, Trainer
+from .task import Task
 
 
 def pair_corpus(args) -> ParallelCorpus:
@@ -43,116 +40,30 @@ def pair_corpus(args) -> ParallelCorpus:
     return default_pairs(args.target_lang)
 
 
-def encode_pairs(pairs: list[Pair], tokenizer, max_length: int) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """(source ids, target ids + <eos>) per pair, and how many pairs were dropped for being longer than
-    `max_length` on either side (training never truncates: a cut target would teach the model to stop early)."""
-    # special-token spellings in the text stay text; only this code appends <eos>
-    plain = dict(add_special_tokens=False, split_special_tokens=True, verbose=False)
-    sources = tokenizer([p.source for p in pairs], **plain).input_ids
-    targets = tokenizer([p.target for p in pairs], **plain).input_ids
-    kept, too_long = [], 0
-    for source, target in zip(sources, targets, strict=True):
-        target = target + [tokenizer.eos_token_id]
-        if len(source) > max_length or len(target) > max_length:
-            too_long += 1
-        else:
-            kept.append((source, target))
-    return kept, too_long
+def seq2seq_collator(tokenizer, model):
+    """transformers' DataCollatorForSeq2Seq, padding on the right (whatever side the exported tokenizer pads
+    on): sources with the pad id and a 0 mask, labels with -100, then shifted right once into
+    decoder_input_ids by the model's `prepare_decoder_input_ids_from_labels`."""
+    from transformers import DataCollatorForSeq2Seq
+
+    right = copy.copy(tokenizer)
+    right.padding_side = "right"
+    return DataCollatorForSeq2Seq(right, model=model, label_pad_token_id=-100)
 
 
-def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
-
-
-def _mask(rows: list[list[int]]) -> torch.Tensor:
-    """1 over each row's tokens, 0 over its padding (from the lengths: a source that spells "<pad>" has its id)."""
-    width = max(len(r) for r in rows)
-    return torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-
-
-def make_batch(examples: list[tuple[list[int], list[int]]], config) -> dict[str, torch.Tensor]:
-    """Right-padded sources and targets; padding is 0 in the attention mask and -100 in the labels.
-    The labels are shifted right into the decoder inputs here, once; the model gets both."""
-    input_ids = _pad([s for s, _ in examples], config.pad_token_id)
-    labels = _pad([t for _, t in examples], -100)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": _mask([s for s, _ in examples]),
-        "decoder_input_ids": shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id),
-        "labels": labels,
-    }
-
-
-def length_batches(examples: list[tuple[list[int], list[int]]], batch_size: int, config) -> list[dict]:
-    """Batches of `batch_size` pairs of similar length: sorted by (target, source) length and cut in order,
-    so a batch pads to nearly its own lengths. The loader shuffles the order of the batches every epoch."""
-    ordered = sorted(examples, key=lambda e: (len(e[1]), len(e[0])))
-    return [make_batch(ordered[i : i + batch_size], config) for i in range(0, len(ordered), batch_size)]
-
-
-def first(items: list):
-    """Collate for a dataset whose items already are batches."""
-    return items[0]
-
-
-def count_targets(batch: dict) -> torch.Tensor:
-    return (batch["labels"] != -100).sum()
-
-
-def label_smoothed_loss(smoothing: float):
+def label_smoothed_loss(model, batch: dict, num_targets: torch.Tensor, smoothing: float) -> torch.Tensor:
     """Cross-entropy against (1 - eps) one-hot + eps uniform (§5.4), summed over target tokens and divided by
     the target tokens of the whole accumulation window (the trainer's exact mean)."""
-
-    def compute_loss(model, batch, num_targets):
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = model(**inputs, use_cache=False).logits
-        total = F.cross_entropy(
-            logits.float().flatten(0, 1),
-            batch["labels"].flatten(),
-            ignore_index=-100,
-            label_smoothing=smoothing,
-            reduction="sum",
-        )
-        return total / num_targets
-
-    return compute_loss
-
-
-def build_model(args, tokenizer) -> DerivForConditionalGeneration:
-    config = DerivSeq2SeqConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden_size,
-        encoder_layers=args.encoder_layers or args.num_hidden_layers,
-        decoder_layers=args.decoder_layers or args.num_hidden_layers,
-        encoder_attention_heads=args.num_attention_heads,
-        decoder_attention_heads=args.num_attention_heads,
-        intermediate_size=args.intermediate_size,
-        hidden_act=args.hidden_act,
-        max_position_embeddings=args.context_length,
-        pre_norm=args.pre_norm,
-        dropout=args.dropout,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.bos_token_id,
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1),
+        batch["labels"].flatten(),
+        ignore_index=-100,
+        label_smoothing=smoothing,
+        reduction="sum",
     )
-    return DerivForConditionalGeneration(config)
-
-
-def generation_defaults(config, num_beams: int):
-    from transformers import GenerationConfig
-
-    return GenerationConfig(
-        num_beams=num_beams,
-        early_stopping=num_beams > 1,  # a beam-search option: GenerationConfig refuses it with one beam
-        length_penalty=1.0,
-        max_new_tokens=config.max_position_embeddings - 1,  # the start token takes the first position
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        decoder_start_token_id=config.decoder_start_token_id,
-    )
+    return total / num_targets
 
 
 def score(model, tokenizer, pairs: list[Pair], num_beams: int, progress: bool = False) -> dict:
@@ -180,108 +91,128 @@ def score(model, tokenizer, pairs: list[Pair], num_beams: int, progress: bool = 
     }
 
 
-@releases_run_lock
-def train_translation(args, cpu: bool = False) -> str:
-    """Train a Deriv encoder-decoder as `args` say; returns the exported folder."""
-    started = time.perf_counter()
-    trainer = Trainer(args, cpu=cpu)
-    accelerator = trainer.accelerator
-    corpus = pair_corpus(args)
-    if not corpus.pairs:
-        raise ValueError(f"No pairs with text on both sides in {corpus.description}")
-    splits = split_pairs(corpus.pairs)
-    train_pairs = splits["train"]
-    if not train_pairs or not splits["validation"]:
-        raise ValueError(
-            f"{corpus.description} gives {len(train_pairs)} training and {len(splits['validation'])} validation "
-            "pairs after the split; pass more pairs."
-        )
-    tokenizer = load_or_train_tokenizer(
-        args, [text for p in train_pairs for text in (p.source, p.target)], accelerator
-    )
-    model = build_model(args, tokenizer)
-    config = model.config
-    encoded = {name: encode_pairs(pairs, tokenizer, args.context_length) for name, pairs in splits.items()}
-    train_ds = length_batches(encoded["train"][0], args.batch_size, config)
-    val_ds = length_batches(encoded["validation"][0], args.batch_size, config)
-    too_long = sum(n for _, n in encoded.values())
-    accelerator.print(
-        f"data: {corpus.description}: {len(train_pairs)} / {len(splits['validation'])} / {len(splits['test'])} "
-        f"train / validation / test pairs; {corpus.skipped_empty} skipped for an empty side, {too_long} for "
-        f"being longer than {args.context_length} tokens"
-    )
-    n_params = sum(p.numel() for p in model.parameters())
-    accelerator.print(
-        f"model: {n_params / 1e6:.2f} M parameters ({config.encoder_layers}+{config.decoder_layers} layers); "
-        f"{len(train_ds)} training batches of up to {args.batch_size} pairs; "
-        f"{accelerator.num_processes} process(es) on {accelerator.device}"
-    )
-    task = Task(
-        model,
-        train_ds,
-        val_ds,
-        first,
-        count_targets,
-        compute_loss=label_smoothed_loss(args.label_smoothing) if args.label_smoothing else None,
-        batch_size=1,
-    )
-    state = trainer.train(task)
+class TranslationTask(Task):
+    """Source -> target with the encoder-decoder; the whole validation split is scored at each evaluation."""
 
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(trainer.model)
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(trainer.model)
-        unwrapped.generation_config = generation_defaults(config, args.num_beams)
-        test_pairs = splits["test"][: args.bleu_pairs] if args.bleu_pairs else splits["test"]
-        final = next((r for r in reversed(state.history) if "val_loss" in r), {})
-        metrics = {"val_loss": final.get("val_loss"), "val_perplexity": final.get("val_perplexity")}
-        if test_pairs:
-            accelerator.print(f"scoring {len(test_pairs)} test pairs with beam search ({args.num_beams} beams)")
-            metrics.update(score(unwrapped, tokenizer, test_pairs, args.num_beams, progress=args.progress))
-        sample_texts = [t for p in train_pairs[:300] for t in (p.source, p.target)]
-        record = run_record(
-            "translation",
-            args,
-            {
-                "corpus": corpus.description,
-                "source_lang": args.source_lang,
-                "target_lang": args.target_lang,
-                "pairs": {name: len(pairs) for name, pairs in splits.items()},
-                "skipped_empty": corpus.skipped_empty,
-                "dropped_too_long": too_long,
-                "context_length": args.context_length,
-            },
-            tokenizer,
-            characters_per_token(tokenizer, sample_texts),
-            unwrapped,
-            state,
-            accelerator,
-            time.perf_counter() - started,
-            metrics,
-        )
-        export_folder(
-            args.output_dir,
-            unwrapped,
-            state_dict,
-            tokenizer,
-            record,
-            state.history,
-            accelerator.print,
-            pipeline_class=DerivTranslationPipeline,
-        )
-        for example in metrics.get("examples", [])[: args.samples]:
-            accelerator.print(
-                f"--- {example['source']!r}\n    -> {example['translation']!r} (reference: {example['reference']!r})"
+    name = "translation"
+    unit = "pairs"
+    token_kind = "target tokens"
+    pipeline_class = DerivTranslationPipeline
+
+    def load(self) -> None:
+        self.corpus = pair_corpus(self.args)
+        if not self.corpus.pairs:
+            raise ValueError(f"No pairs with text on both sides in {self.corpus.description}")
+        self.splits = split_pairs(self.corpus.pairs)
+        if not self.splits["train"] or not self.splits["validation"]:
+            raise ValueError(
+                f"{self.corpus.description} gives {len(self.splits['train'])} training and "
+                f"{len(self.splits['validation'])} validation pairs after the split; pass more pairs."
             )
-        summary = f"validation perplexity {metrics['val_perplexity']:.2f}"
-        if "bleu" in metrics:
-            summary += (
-                f"; test BLEU {metrics['bleu']:.1f} (copying the source: {metrics['copy_source_bleu']:.1f}), "
-                f"chrF {metrics['chrf']:.1f}\n{metrics['bleu_signature']}"
-            )
-        accelerator.print(
-            f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M target tokens in "
-            f"{record['training']['wall_seconds']:.0f} s; {summary}\nmodel folder: {os.path.abspath(args.output_dir)}"
+
+    def tokenizer_texts(self):
+        return (text for p in self.splits["train"] for text in (p.source, p.target))
+
+    def datasets(self, tokenizer) -> tuple:
+        a = self.args
+        self.train, too_long_train = encoded_pairs(self.splits["train"], tokenizer, a.context_length, a.cache_dir)
+        self.validation, too_long_val = encoded_pairs(
+            self.splits["validation"], tokenizer, a.context_length, a.cache_dir
         )
-    accelerator.wait_for_everyone()
-    return args.output_dir
+        self.train_lengths = list(self.train["length"])
+        self.train = self.train.remove_columns("length")
+        # in order of length, so that evaluating the whole split pads little
+        lengths = list(self.validation["length"])
+        by_length = sorted(range(len(lengths)), key=lengths.__getitem__)
+        self.validation = self.validation.select(by_length).remove_columns("length")
+        self.too_long = too_long_train + too_long_val
+        s = self.splits
+        self.say(
+            f"data: {self.corpus.description}: {len(s['train'])} / {len(s['validation'])} / {len(s['test'])} "
+            f"train / validation / test pairs; {self.corpus.skipped_empty} skipped for an empty side, "
+            f"{self.too_long} for being longer than {a.context_length} tokens"
+        )
+        return self.train, self.validation
+
+    def build_model(self, tokenizer) -> DerivForConditionalGeneration:
+        a = self.args
+        config = DerivSeq2SeqConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=a.hidden_size,
+            encoder_layers=a.encoder_layers or a.num_hidden_layers,
+            decoder_layers=a.decoder_layers or a.num_hidden_layers,
+            encoder_attention_heads=a.num_attention_heads,
+            decoder_attention_heads=a.num_attention_heads,
+            intermediate_size=a.intermediate_size,
+            hidden_act=a.hidden_act,
+            max_position_embeddings=a.context_length,
+            pre_norm=a.pre_norm,
+            dropout=a.dropout,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.bos_token_id,
+        )
+        model = DerivForConditionalGeneration(config)
+        self.collator = seq2seq_collator(tokenizer, model)
+        return model
+
+    def sampler(self, dataset, seed: int):
+        return LengthGroupedSampler(self.train_lengths, self.args.batch_size, seed)
+
+    def compute_loss(self, model, batch: dict, num_targets: torch.Tensor) -> torch.Tensor:
+        if not self.args.label_smoothing:
+            return super().compute_loss(model, batch, num_targets)
+        return label_smoothed_loss(model, batch, num_targets, self.args.label_smoothing)
+
+    def generation_config(self, model, tokenizer):
+        from transformers import GenerationConfig
+
+        config, beams = model.config, self.args.num_beams
+        return GenerationConfig(
+            num_beams=beams,
+            early_stopping=beams > 1,  # a beam-search option: GenerationConfig refuses it with one beam
+            length_penalty=1.0,
+            max_new_tokens=config.max_position_embeddings - 1,  # the start token takes the first position
+            pad_token_id=config.pad_token_id,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            decoder_start_token_id=config.decoder_start_token_id,
+        )
+
+    def final_metrics(self, model, tokenizer) -> dict:
+        a = self.args
+        test = self.splits["test"][: a.bleu_pairs] if a.bleu_pairs else self.splits["test"]
+        if not test:
+            return {}
+        self.say(f"scoring {len(test)} test pairs with beam search ({a.num_beams} beams)")
+        self.scores = score(model, tokenizer, test, a.num_beams, progress=a.progress)
+        return self.scores
+
+    def record_data(self) -> dict:
+        a = self.args
+        return dict(
+            corpus=self.corpus.description,
+            dataset=a.dataset if a.dataset else None,
+            unit=self.unit,
+            train=len(self.splits["train"]),
+            validation=len(self.splits["validation"]),
+            test=len(self.splits["test"]),
+            context_length=a.context_length,
+            skipped_empty=self.corpus.skipped_empty,
+            dropped_too_long=self.too_long,
+            source_lang=a.source_lang,
+            target_lang=a.target_lang,
+        )
+
+    def sample_texts(self) -> list[str]:
+        return [t for p in self.splits["train"][:300] for t in (p.source, p.target)]
+
+    def show_samples(self, model, tokenizer, say) -> None:
+        for example in getattr(self, "scores", {}).get("examples", [])[: self.args.samples]:
+            say(f"--- {example['source']!r}\n    -> {example['translation']!r} (reference: {example['reference']!r})")
+
+
+def train_translation(args, cpu: bool = False) -> str:
+    """Train a Deriv encoder-decoder as `args` (a `TranslationTrainingArguments`) say; returns the folder."""
+    return run(args, TranslationTask(args), cpu=cpu)

@@ -1,0 +1,191 @@
+"""The run record (`run.json`): one versioned schema that training writes and the card reads.
+
+Each section is a dataclass; `RunRecord.from_dict` refuses a record whose fields are not the schema's, so a
+renamed training argument fails where the record is written, not silently in the card. The card reads only
+these fields (a test walks `card.py` and checks every `run.<section>.<field>` it reads against them).
+
+Version 1 is the untyped run.json written before the schema existed (no `schema_version`); it is read by
+mapping its keys onto version 2, so older folders still get a full card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+
+
+SCHEMA_VERSION = 2
+
+
+@dataclass
+class DataRecord:
+    corpus: str  # what was read, in words (no absolute paths)
+    dataset: str | None  # the `datasets` dataset's name, where the data was one
+    unit: str  # what the split counts: "blocks" (language model) or "pairs" (translation)
+    train: int
+    validation: int
+    test: int | None
+    context_length: int
+    skipped_empty: int = 0  # pairs dropped for an empty side
+    dropped_too_long: int = 0  # pairs dropped as longer than the context
+    source_lang: str | None = None
+    target_lang: str | None = None
+
+
+@dataclass
+class TokenizerRecord:
+    vocab_size: int
+    characters_per_token: float
+    special_tokens: list[str]
+
+
+@dataclass
+class ModelRecord:
+    parameters: int
+    config: dict  # config.to_diff_dict()
+
+
+@dataclass
+class ProcedureRecord:
+    """The hyperparameters a card states, named here once whatever the training flags are called."""
+
+    preset: str
+    optimizer: str
+    adam_beta1: float
+    adam_beta2: float
+    weight_decay: float
+    learning_rate: float
+    lr_schedule: str
+    warmup_steps: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    dropout: float
+    max_grad_norm: float
+    seed: int
+    label_smoothing: float | None = None
+
+
+@dataclass
+class TrainingRecord:
+    steps: int
+    tokens_seen: int
+    train_seconds: float
+    wall_seconds: float
+
+
+@dataclass
+class HardwareRecord:
+    device: str
+    processes: int
+    mixed_precision: str
+    torch_threads: int
+    platform: str
+    processor: str
+    gpu: str | None
+
+
+@dataclass
+class MetricsRecord:
+    val_loss: float | None = None
+    val_perplexity: float | None = None
+    test_pairs: int | None = None
+    num_beams: int | None = None
+    bleu: float | None = None
+    chrf: float | None = None
+    copy_source_bleu: float | None = None
+    copy_source_chrf: float | None = None
+    bleu_signature: str | None = None
+    chrf_signature: str | None = None
+    decode_seconds: float | None = None
+    examples: list[dict] = field(default_factory=list)  # {"source", "reference", "translation"}
+
+
+@dataclass
+class RunRecord:
+    task: str  # "causal-lm" or "translation"
+    arguments: dict  # every training argument, by concern: how to run it again (the card does not read it)
+    data: DataRecord
+    tokenizer: TokenizerRecord
+    model: ModelRecord
+    procedure: ProcedureRecord
+    training: TrainingRecord
+    hardware: HardwareRecord
+    versions: dict[str, str]
+    metrics: MetricsRecord
+    base_model: str | None = None  # the folder or Hub id training started from, if any
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> RunRecord:
+        """The record `values` holds (version 1 or 2); ValueError naming the field that does not fit."""
+        version = values.get("schema_version", 1)
+        if version == 1:
+            values = _upgrade_v1(values)
+        elif version != SCHEMA_VERSION:
+            raise ValueError(f"run.json has schema_version {version}; this Deriv reads 1 and {SCHEMA_VERSION}")
+        return _build(cls, values, "run.json")
+
+
+def _build(kind, values, where: str):
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - set(fields))
+    missing = sorted(n for n, f in fields.items() if n not in values and _required(f))
+    if unknown or missing:
+        raise ValueError(f"{where}: not the run-record schema (unknown fields {unknown}, missing {missing})")
+    built = {}
+    for name, value in values.items():
+        section = SECTIONS.get(name) if kind is RunRecord else None
+        built[name] = _build(section, value, f"{where}: {name}") if section else value
+    return kind(**built)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+SECTIONS = {
+    "data": DataRecord,
+    "tokenizer": TokenizerRecord,
+    "model": ModelRecord,
+    "procedure": ProcedureRecord,
+    "training": TrainingRecord,
+    "hardware": HardwareRecord,
+    "metrics": MetricsRecord,
+}
+
+
+def _upgrade_v1(old: dict) -> dict:
+    """A version-1 run.json (flat `arguments`, task-specific `data`) as version 2."""
+    a, data = old.get("arguments", {}), old.get("data", {})
+    translation = "pairs" in data
+    pairs = data.get("pairs", {})
+    return {
+        **{k: old[k] for k in ("task", "tokenizer", "model", "training", "hardware", "versions") if k in old},
+        "arguments": {"v1": a},
+        "data": {
+            "corpus": data.get("corpus", ""),
+            "dataset": a.get("dataset") if a.get("dataset") and not a.get("files") else None,
+            "unit": "pairs" if translation else "blocks",
+            "train": pairs.get("train") if translation else data.get("train_blocks", 0),
+            "validation": pairs.get("validation") if translation else data.get("validation_blocks", 0),
+            "test": pairs.get("test") if translation else None,
+            "context_length": data.get("context_length", a.get("context_length", 0)),
+            "skipped_empty": data.get("skipped_empty", 0),
+            "dropped_too_long": data.get("dropped_too_long", 0),
+            "source_lang": data.get("source_lang"),
+            "target_lang": data.get("target_lang"),
+        },
+        "procedure": {
+            "optimizer": "AdamW",
+            "lr_schedule": a.get("lr_schedule", "cosine"),
+            "label_smoothing": a.get("label_smoothing") if translation else None,
+            **{f.name: a.get(f.name) for f in dataclasses.fields(ProcedureRecord) if f.name in a},
+        },
+        "metrics": {k: v for k, v in old.get("metrics", {}).items() if k in MetricsRecord.__dataclass_fields__},
+        "schema_version": SCHEMA_VERSION,
+    }

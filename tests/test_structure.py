@@ -1,0 +1,64 @@
+"""The seams of the house (../DESIGN.md), checked on the source: who imports whom, and how long a function is."""
+
+import ast
+import pathlib
+
+import pytest
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOMS = ["modeling_deriv", "tokenization", "training", "hub_card", "viz", "bench", "deriv_lm"]
+
+
+def sources(*rooms: str):
+    for room in rooms:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            yield path, ast.parse(path.read_text(encoding="utf-8"))
+
+
+def imported_modules(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            yield node.lineno, "." * node.level + (node.module or ""), [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+
+
+def test_library_code_never_imports_a_commands_module():
+    offenders = []
+    for path, tree in sources(*ROOMS):
+        if path.name in ("commands.py", "cli.py"):
+            continue  # a command module may use another room's command module; the library may not
+        for line, module, names in imported_modules(tree):
+            if module.split(".")[-1] == "commands" or "commands" in names:
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module or names}")
+    assert offenders == []
+
+
+def test_rooms_import_each_other_relatively():
+    """`from ..modeling_deriv import X`, as transformers' own files do, so the arrows between rooms show."""
+    offenders = []
+    for path, tree in sources(*ROOMS):
+        for line, module, _ in imported_modules(tree):
+            if module == "deriv_lm" or module.startswith("deriv_lm."):
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert offenders == []
+
+
+def test_the_model_room_imports_no_other_room():
+    """Its files are copied flat into every exported folder; they may import only each other."""
+    for path, tree in sources("modeling_deriv"):
+        for line, module, _ in imported_modules(tree):
+            assert not module.startswith(".."), f"{path.name}:{line} imports {module}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "training").glob("*.py")), ids=lambda p: p.name)
+def test_no_function_in_the_training_room_is_longer_than_60_lines(path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    long = [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert long == []

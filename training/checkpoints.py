@@ -1,0 +1,187 @@
+"""Checkpoints: `accelerator.save_state` folders that appear whole or not at all, and their JSON state.
+
+    output_dir/checkpoints/step-0000200/   model.safetensors, optimizer.bin, random states (accelerate),
+                                           trainer_state.json, scheduler.json (ours: JSON, never pickled),
+                                           COMPLETE (written last)
+
+A checkpoint is written into `.partial-step-N` beside its final name and renamed into place, so an
+interrupted write never replaces the last good one; resuming skips a torn one for the one before it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+
+from transformers.utils import logging
+
+from ..tokenization.files import fsync_tree
+
+
+logger = logging.get_logger("deriv_lm.training")
+CHECKPOINT = re.compile(r"^step-(\d+)$")
+SCHEDULER_FILE = "scheduler.json"
+STATE_FILE = "trainer_state.json"
+COMPLETE = "COMPLETE"  # written last, after every file of a checkpoint is on disk
+
+
+@dataclass
+class TrainerState:
+    """What the loop needs to continue exactly where it stopped; saved with every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # target tokens, all processes
+    train_seconds: float = 0.0
+    best_val_loss: float = math.inf
+    history: list = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from, or None: it lacks the marker written last, a
+    weights file is torn (its safetensors header and size disagree), or its JSON state does not parse."""
+    from ..hub_card.folder import check_safetensors
+
+    if not os.path.exists(os.path.join(path, COMPLETE)):
+        return f"incomplete (no {COMPLETE} marker: its writing was interrupted)"
+    try:
+        check_safetensors(path)
+        for name in (STATE_FILE, SCHEDULER_FILE):
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                json.load(f)
+    except (OSError, ValueError) as error:
+        return " ".join(str(error).split())
+    return None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of metrics.jsonl; a line torn by a kill mid-write is dropped with a warning, not fatal."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                record["step"]
+            except (ValueError, TypeError, KeyError):
+                logger.warning(f"{path}: line {number} is torn or not a metrics record; dropped")
+                continue
+            records.append(record)
+    return records
+
+
+class Checkpoints:
+    """The checkpoints of one run folder, for one accelerator (every process calls save and load)."""
+
+    def __init__(self, accelerator, folder: str, keep: int):
+        self.accelerator, self.folder, self.keep = accelerator, folder, keep
+
+    def found(self) -> list[str]:
+        if not os.path.isdir(self.folder):
+            return []
+        steps = [(int(m.group(1)), name) for name in os.listdir(self.folder) if (m := CHECKPOINT.match(name))]
+        return [os.path.join(self.folder, name) for _, name in sorted(steps)]
+
+    def newest_usable(self) -> str | None:
+        """The newest checkpoint that was written completely and whose files read back; a torn one (a kill or
+        a full disk mid-write, a truncated copy) is skipped for the one before it, saying why."""
+        for path in reversed(self.found()):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            self.accelerator.print(f"skipping {path}: {problem}")
+        return None
+
+    def remove_all(self) -> None:
+        """A fresh run owns its folder: older checkpoints would be mistaken for its own when resuming."""
+        found = self.found()
+        if found and self.accelerator.is_main_process:
+            self.accelerator.print(
+                f"starting afresh: removing {len(found)} checkpoint(s) of an earlier run in "
+                f"{self.folder} (use --resume to continue it)"
+            )
+            for path in found:
+                shutil.rmtree(path)
+        self.accelerator.wait_for_everyone()
+
+    def save(self, state: TrainerState, scheduler) -> str:
+        """save_state into a temporary folder, then rename it into place; older ones beyond `keep` are removed."""
+        final = os.path.join(self.folder, f"step-{state.step:07d}")
+        partial = os.path.join(self.folder, f".partial-step-{state.step:07d}")
+        accelerator = self.accelerator
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(self.folder, exist_ok=True)
+        accelerator.wait_for_everyone()
+        try:
+            accelerator.save_state(partial, safe_serialization=True)
+            if accelerator.is_main_process:
+                _write_own_state(partial, state, scheduler)
+        except OSError as error:
+            if accelerator.is_main_process:
+                shutil.rmtree(partial, ignore_errors=True)
+            previous = self.found()
+            raise OSError(
+                f"Could not write the checkpoint for step {state.step} ({error}); "
+                f"the last good checkpoint is untouched: {previous[-1] if previous else 'none yet'}"
+            ) from error
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            for old in self.found()[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        return final
+
+    def load(self, path: str, state: TrainerState, scheduler) -> None:
+        """accelerate reads the weights (safetensors), the optimizer and the RNG states with torch's
+        `weights_only=True` loader, which refuses anything but tensors and plain containers; nothing
+        is registered for its pickled custom objects. The scheduler and trainer state are JSON."""
+        try:
+            self.accelerator.load_state(path)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"Cannot resume from {path}: a file there is not plain tensor data and was not loaded "
+                f"(torch's weights_only loader refused it: {' '.join(str(error).split())[:300]})"
+            ) from error
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise ValueError(
+                f"Cannot resume from {path}: it does not match this model or optimizer ({error}). Resume with "
+                "the arguments the run was started with, or start afresh in another --output-dir."
+            ) from error
+        try:
+            with open(os.path.join(path, STATE_FILE)) as f:
+                state.load_state_dict(json.load(f))
+            with open(os.path.join(path, SCHEDULER_FILE)) as f:
+                scheduler.load_state_dict(json.load(f))
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"Cannot resume from {path}: its trainer or scheduler state is unreadable ({error})"
+            ) from error
+
+
+def _write_own_state(folder: str, state: TrainerState, scheduler) -> None:
+    """Deriv's own state is JSON, never pickled: a checkpoint folder someone hands you cannot run code when
+    you resume from it. The marker goes last, after an fsync: the bytes are on disk before it says so."""
+    with open(os.path.join(folder, STATE_FILE), "w") as f:
+        json.dump(state.state_dict(), f)
+    with open(os.path.join(folder, SCHEDULER_FILE), "w") as f:
+        json.dump(scheduler.state_dict(), f)
+    fsync_tree(folder)
+    with open(os.path.join(folder, COMPLETE), "w") as f:
+        f.write(f"step {state.step}\n")
+        f.flush()
+        os.fsync(f.fileno())

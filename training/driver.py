@@ -1,0 +1,102 @@
+"""The driver: every step a training run shares, done once, for any task (`task.py`).
+
+trainer = Trainer(args)                 accelerator, run lock, seeds
+task.load()                             read and split the data (nothing is trained on it before)
+tokenizer = the given one, or one trained on the training split only
+train, validation = task.datasets(tokenizer)
+model = task.build_model(tokenizer)
+trainer.train(model, task, train, validation)     the loop, checkpoints, resume, evaluation
+gather the weights; generation defaults; final metrics; run record; export; card; samples
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tokens_with, train_bpe
+from .export import export_folder, run_record
+from .runlock import releases_run_lock
+from .trainer import Trainer
+
+
+@releases_run_lock
+def run(args, task, cpu: bool = False) -> str:
+    """Train `task` as `args` say; returns the exported folder."""
+    started = time.perf_counter()
+    trainer = Trainer(args, cpu=cpu)
+    accelerator = trainer.accelerator
+    task.say = accelerator.print
+    task.load()
+    tokenizer = load_or_train_tokenizer(args, task.tokenizer_texts, accelerator)
+    with accelerator.main_process_first():
+        train_dataset, eval_dataset = task.datasets(tokenizer)
+    model = task.build_model(tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    accelerator.print(
+        f"model: {n_params / 1e6:.2f} M parameters; {len(train_dataset)} training and {len(eval_dataset)} "
+        f"validation {task.unit}; {accelerator.num_processes} process(es) on {accelerator.device}"
+    )
+    trainer.train(model, task, train_dataset, eval_dataset)
+    accelerator.wait_for_everyone()
+    # A collective: under FSDP or DeepSpeed ZeRO-3 the full weights are gathered from every process.
+    state_dict = accelerator.get_state_dict(trainer.model)
+    if accelerator.is_main_process:
+        finish(trainer, task, tokenizer, state_dict, time.perf_counter() - started)
+    accelerator.wait_for_everyone()
+    return args.output_dir
+
+
+def load_or_train_tokenizer(args, texts, accelerator):
+    """An existing tokenizer (--tokenizer, or the one an earlier run of this output_dir trained), or a new one
+    trained on `texts()`: the training split only, so validation and test text is never seen by it."""
+    from transformers import AutoTokenizer
+
+    folder = args.tokenizer or os.path.join(args.output_dir, "tokenizer")
+    with accelerator.main_process_first():  # one process trains and saves; the others then load
+        if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+            if args.tokenizer:
+                raise FileNotFoundError(f"No tokenizer.json in {args.tokenizer}")
+            progress = args.progress and accelerator.is_main_process
+            tokenizer, summary = train_bpe(texts(), args.vocab_size, special_tokens_with(), progress=progress)
+            save_tokenizer(tokenizer, folder, model_max_length=args.context_length)
+            accelerator.print(
+                f"tokenizer: {summary.vocab_size} ids from {summary.characters / 1e6:.2f} M characters "
+                f"in {summary.seconds:.2f} s -> {folder}"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    if len(tokenizer) != args.vocab_size:
+        # The model's vocabulary is the tokenizer's; record the size that was used, not the one asked for.
+        accelerator.print(
+            f"note: the tokenizer in {folder} has {len(tokenizer)} ids, not --vocab-size {args.vocab_size}; "
+            f"the model uses {len(tokenizer)}"
+        )
+        args.vocab_size = len(tokenizer)
+    return tokenizer
+
+
+def finish(trainer, task, tokenizer, state_dict, seconds: float) -> None:
+    """Main process: the trained model's defaults, metrics and run record, the exported folder, samples."""
+    args, accelerator, state = trainer.args, trainer.accelerator, trainer.state
+    model = accelerator.unwrap_model(trainer.model)
+    model.eval()
+    model.generation_config = task.generation_config(model, tokenizer)
+    final = next((r for r in reversed(state.history) if "val_loss" in r), {})
+    metrics = {"val_loss": final.get("val_loss"), "val_perplexity": final.get("val_perplexity")}
+    metrics.update(task.final_metrics(model, tokenizer))
+    ratio = characters_per_token(tokenizer, task.sample_texts())
+    record = run_record(task, args, task.record_data(), tokenizer, ratio, model, state, accelerator, seconds, metrics)
+    export_folder(
+        args.output_dir, model, state_dict, tokenizer, record, state.history, accelerator.print, task.pipeline_class
+    )
+    task.show_samples(model, tokenizer, accelerator.print)
+    summary = f"validation perplexity {metrics['val_perplexity']:.2f}"
+    if metrics.get("bleu") is not None:
+        summary += (
+            f"; test BLEU {metrics['bleu']:.1f} (copying the source: {metrics['copy_source_bleu']:.1f}), "
+            f"chrF {metrics['chrf']:.1f}\n{metrics['bleu_signature']}"
+        )
+    accelerator.print(
+        f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M {task.token_kind} in "
+        f"{record['training']['wall_seconds']:.0f} s; {summary}\nmodel folder: {os.path.abspath(args.output_dir)}"
+    )

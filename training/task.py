@@ -1,0 +1,75 @@
+"""The task contract: what a task knows, so that the driver (`driver.run`) can do everything else once.
+
+A task is one file: `lm.py` (causal language modelling) and `translation.py` (the encoder-decoder) are
+the two today. The driver calls, in order:
+
+    task.load()                           read the source and split it (before anything is trained on it)
+    task.tokenizer_texts()                the training split's texts, for a new tokenizer
+    task.datasets(tokenizer)              (train, validation) datasets, tokenized with `datasets.map`
+    task.build_model(tokenizer)           the model, its vocabulary the tokenizer's
+    task.collator, task.sampler(...)      how the loader makes batches
+    task.count_targets(batch)             target tokens in a batch (what the loss averages over)
+    task.compute_loss(model, batch, n)    the training loss
+    task.generation_config(model, tok)    the exported folder's decoding defaults
+    task.final_metrics(model, tok)        scores beyond validation loss (BLEU for translation)
+    task.record_data(), sample_texts()    what the run record says about the data
+    task.show_samples(model, tok, say)    a few outputs at the end
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class Task:
+    """The defaults suit a task whose model computes its own loss from `labels`."""
+
+    name = "task"  # the run record's `task`
+    pipeline_class = None  # a Pipeline the exported folder carries, for `pipeline(model=folder)`
+    eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
+
+    def __init__(self, args):
+        self.args = args
+        self.collator = None  # the loader's collate_fn; a task may set it once its model is built
+        self.say = print  # the driver gives its accelerator's print (main process only)
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def tokenizer_texts(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def datasets(self, tokenizer) -> tuple:
+        raise NotImplementedError
+
+    def build_model(self, tokenizer) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def sampler(self, dataset, seed: int):
+        """The order of the training examples; None: a seeded shuffle (the loader's)."""
+        return None
+
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"] != -100).sum()
+
+    def compute_loss(self, model, batch: dict, num_targets: torch.Tensor) -> torch.Tensor:
+        """Sum of token losses / `num_targets` (the target tokens of the whole accumulation window)."""
+        return model(**batch, num_items_in_batch=num_targets).loss
+
+    def generation_config(self, model, tokenizer):
+        raise NotImplementedError
+
+    def final_metrics(self, model, tokenizer) -> dict:
+        return {}
+
+    def record_data(self) -> dict:
+        raise NotImplementedError
+
+    def sample_texts(self) -> list[str]:
+        """A few hundred training texts, to measure characters per token."""
+        raise NotImplementedError
+
+    def show_samples(self, model, tokenizer, say) -> None:
+        pass
