@@ -340,3 +340,15 @@ def test_trust_remote_code_and_pipeline_without_the_package(overfit, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Do you wish to run the custom code" not in result.stdout + result.stderr  # no call was left to ask
     assert result.stdout.strip().splitlines()[-1] == expected == "speichere das Dokument"
+
+
+def test_the_pipeline_keeps_each_sources_sequences_together_in_a_batch(overfit):
+    """generate returns num_return_sequences rows per source; batched, they must stay with their source."""
+    model, tokenizer = overfit
+    translator = DerivTranslationPipeline(model=model, tokenizer=tokenizer)
+    sources = [s for s, _ in PAIRS[:3]]
+    options = dict(num_beams=3, num_return_sequences=2, max_new_tokens=20)
+    one_by_one = [translator(s, **options) for s in sources]
+    batched = translator(sources, batch_size=3, **options)
+    assert batched == one_by_one and all(len(out) == 2 for out in batched)
+    assert [out[0]["translation_text"] for out in batched] == [t for _, t in PAIRS[:3]]

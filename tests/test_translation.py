@@ -327,3 +327,52 @@ def test_a_one_beam_run_exports_and_loads(tmp_path):
     assert main(args) == 0
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "mt")
     assert model.generation_config.num_beams == 1 and not model.generation_config.early_stopping
+
+
+def test_validation_loss_covers_the_whole_validation_split(translation_run):
+    """The final validation loss in run.json is the mean token loss over every validation pair (it used to be
+    the first 10 batches of a length-sorted split: its shortest pairs)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from deriv_lm.tokenization.parallel import split_pairs
+    from deriv_lm.training.translation import seq2seq_collator
+
+    out, data = translation_run
+    model = AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    validation = split_pairs(local_pairs(str(data)).pairs)["validation"]
+    plain = dict(add_special_tokens=False)
+    rows = [
+        {"input_ids": tokenizer(p.source, **plain).input_ids, "labels": tokenizer(p.target, **plain).input_ids + [2]}
+        for p in validation
+    ]
+    batch = seq2seq_collator(tokenizer, model)(rows)
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+    recorded = json.loads((out / "run.json").read_text())["metrics"]["val_loss"]
+    assert len(validation) > 0 and recorded == pytest.approx(loss, rel=1e-4)
+
+
+def test_a_stopped_and_resumed_translation_run_ends_with_the_same_weights(tmp_path):
+    """Resume replays the length-grouped order of the epoch and skips exactly the batches already seen."""
+    from safetensors.torch import load_file
+
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"open file {n}\töffne Datei {n}\n" for n in range(120)), encoding="utf-8")
+
+    def train(folder, steps, *extra):
+        args = ["train", "translation", "--files", str(data), "--output-dir", str(folder), "--vocab-size", "300"]
+        args += ["--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1"]
+        args += ["--num-attention-heads", "2", "--intermediate-size", "64", "--batch-size", "8"]
+        args += ["--max-steps", str(steps), "--warmup-steps", "2", "--eval-every", "100", "--save-every", "5"]
+        args += ["--num-beams", "1", "--samples", "0", "--bleu-pairs", "1", "--no-progress", "--cpu", *extra]
+        assert main(args) == 0
+
+    train(tmp_path / "straight", 20)  # 14 batches an epoch: the run crosses into a second epoch
+    train(tmp_path / "stopped", 5)
+    train(tmp_path / "stopped", 20, "--resume")
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    resumed = load_file(tmp_path / "stopped" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
