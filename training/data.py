@@ -38,14 +38,20 @@ def _corpus_key(corpus: Corpus) -> str:
 
 def documents_dataset(corpus: Corpus, max_documents: int | None, cache_dir: str | None):
     """The corpus as a `datasets.Dataset` with one `text` column, cached by the corpus's identity."""
-    dataset = datasets.Dataset.from_generator(
-        _documents,
-        gen_kwargs={"corpus": corpus, "max_documents": max_documents},
-        cache_dir=cache_dir,
-        # subtle: from_generator fingerprints the generator's code and arguments; the key below makes
-        # a changed file or another Python's default corpus a different dataset, not a stale cache hit.
-        config_name=_corpus_key(corpus)[:16],
-    )
+    try:
+        dataset = datasets.Dataset.from_generator(
+            _documents,
+            gen_kwargs={"corpus": corpus, "max_documents": max_documents},
+            cache_dir=cache_dir,
+            # subtle: from_generator fingerprints the generator's code and arguments; the key below makes
+            # a changed file or another Python's default corpus a different dataset, not a stale cache hit.
+            config_name=_corpus_key(corpus)[:16],
+        )
+    except datasets.exceptions.DatasetGenerationError as error:
+        # the corpus's own error (a missing column, a file that is not UTF-8) says what is wrong; the wrapper not
+        if isinstance(error.__cause__, (KeyError, ValueError, OSError)):
+            raise error.__cause__ from None
+        raise
     if len(dataset) == 0:
         raise ValueError(f"The corpus is empty ({corpus.description}).")
     return dataset
