@@ -508,7 +508,7 @@ def test_nothing_in_the_exported_folder_names_a_local_path(trained_run):
     home = os.path.expanduser("~")
     roots = {os.path.dirname(os.path.abspath(out)), os.path.abspath(str(trained_run.files[0])), home}
     record = json.load(open(os.path.join(out, "run.json")))
-    assert record["arguments"]["output_dir"] == "." and record["arguments"]["files"] == ["corpus.jsonl"]
+    assert record["arguments"]["run"]["output_dir"] == "." and record["arguments"]["data"]["files"] == ["corpus.jsonl"]
     for name in os.listdir(out):
         if name.endswith((".json", ".md", ".jsonl", ".txt", ".jinja")):
             text = open(os.path.join(out, name), encoding="utf-8").read()
@@ -522,7 +522,7 @@ def test_the_recorded_vocabulary_is_the_tokenizers(trained_run, tmp_path, corpus
     args = tiny_args(tmp_path, corpus_file, tokenizer=tokenizer, vocab_size=500, max_steps=2, save_every=2)
     train_lm(args, cpu=True)
     record = json.load(open(os.path.join(args.output_dir, "run.json")))
-    assert record["arguments"]["vocab_size"] == record["tokenizer"]["vocab_size"] == 300
+    assert record["arguments"]["tokenizer"]["vocab_size"] == record["tokenizer"]["vocab_size"] == 300
     assert json.load(open(os.path.join(args.output_dir, "config.json")))["vocab_size"] == 300
 
 
