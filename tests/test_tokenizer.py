@@ -312,7 +312,7 @@ def test_a_local_dataset_through_datasets(tmp_path):
 
 
 def test_characters_per_token_ignores_padding_left_on_by_a_batched_call(tiny_tokenizer):
-    from deriv_lm.tokenization.commands import characters_per_token
+    from deriv_lm.tokenization.bpe import characters_per_token
 
     texts = ["a short one", "a much longer text than the first, with many more tokens in it"]
     before = characters_per_token(tiny_tokenizer, texts)

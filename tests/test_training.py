@@ -123,7 +123,7 @@ def test_checkpoints_keep_the_last_two(trained_run):
 def test_second_run_reuses_the_tokenized_cache(trained_run, corpus_file, tmp_path):
     import datasets
 
-    from deriv_lm.tokenization.commands import corpus_from_args
+    from deriv_lm.tokenization.corpus import corpus_from_args
     from deriv_lm.training.data import lm_datasets
 
     tokenizer = AutoTokenizer.from_pretrained(trained_run.output_dir)

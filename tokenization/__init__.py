@@ -7,14 +7,25 @@
 Knows nothing of models or training.
 """
 
-from .bpe import CHAT_TEMPLATE, SPECIAL_TOKENS, save_tokenizer, special_tokens_with, to_transformers, train_bpe
-from .corpus import Corpus, default_corpus, hub_corpus, local_corpus
+from .bpe import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    characters_per_token,
+    save_tokenizer,
+    special_tokens_with,
+    to_transformers,
+    train_bpe,
+)
+from .corpus import Corpus, add_corpus_arguments, corpus_from_args, default_corpus, hub_corpus, local_corpus
 
 
 __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "Corpus",
+    "add_corpus_arguments",
+    "characters_per_token",
+    "corpus_from_args",
     "default_corpus",
     "hub_corpus",
     "local_corpus",

@@ -170,3 +170,15 @@ def make_portable(folder: str | os.PathLike) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+def characters_per_token(tokenizer, documents: list[str]) -> float:
+    """Characters of text per token: how much each token of the model's context carries."""
+    # subtle: a batched `tokenizer(..., padding=True)` leaves padding (and truncation) switched on in the
+    # backend, and encode_batch would then count pad tokens; measure with a clean copy.
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    backend.no_truncation()
+    encodings = backend.encode_batch(documents, add_special_tokens=False)
+    tokens = sum(len(e.ids) for e in encodings)
+    return sum(map(len, documents)) / max(1, tokens)

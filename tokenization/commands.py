@@ -7,29 +7,15 @@ import os
 import sys
 
 from ..arguments import integer, number
-from .bpe import LARGEST_VOCAB_SIZE, SMALLEST_VOCAB_SIZE, save_tokenizer, special_tokens_with, train_bpe
-from .corpus import Corpus, default_corpus, hub_corpus, local_corpus
-
-
-def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
-    """--files or --dataset; neither means the embedded default corpus (shared with the training commands)."""
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument(
-        "--files", nargs="+", metavar="PATH", help="local .txt/.jsonl/.json/.csv/.parquet files, globs or folders"
-    )
-    source.add_argument("--dataset", metavar="NAME", help="a `datasets` dataset (Hub name or local path)")
-    parser.add_argument("--dataset-config", default=None, help="the dataset's configuration name")
-    parser.add_argument("--split", default="train", help="dataset split (default: train)")
-    parser.add_argument("--text-column", default="text", help="column holding the text (default: text)")
-    parser.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it whole")
-
-
-def corpus_from_args(args: argparse.Namespace) -> Corpus:
-    if args.files:
-        return local_corpus(args.files, text_column=args.text_column)
-    if args.dataset:
-        return hub_corpus(args.dataset, args.dataset_config, args.split, args.text_column, args.streaming)
-    return default_corpus()
+from .bpe import (
+    LARGEST_VOCAB_SIZE,
+    SMALLEST_VOCAB_SIZE,
+    characters_per_token,
+    save_tokenizer,
+    special_tokens_with,
+    train_bpe,
+)
+from .corpus import add_corpus_arguments, corpus_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,20 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_corpus_arguments(stats)
     stats.set_defaults(func=run_stats)
-
-
-def characters_per_token(tokenizer, documents: list[str]) -> float:
-    """Characters of text per token: how much each token of the model's context carries."""
-    from tokenizers import Tokenizer
-
-    # subtle: a batched `tokenizer(..., padding=True)` leaves padding (and truncation) switched on in the
-    # backend, and encode_batch would then count pad tokens; measure with a clean copy.
-    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    backend.no_padding()
-    backend.no_truncation()
-    encodings = backend.encode_batch(documents, add_special_tokens=False)
-    tokens = sum(len(e.ids) for e in encodings)
-    return sum(map(len, documents)) / max(1, tokens)
 
 
 def _sample(documents, megabytes: float) -> list[str]:

@@ -6,6 +6,7 @@ records. Errors name the file, column or dataset at fault.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import functools
 import glob
@@ -234,3 +235,25 @@ def hub_corpus(
                 yield value
 
     return Corpus(f"datasets: {name}{'/' + config if config else ''} [{split}] column {text_column!r}", documents)
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
+    """--files or --dataset; neither means the embedded default corpus (the flags `corpus_from_args` reads)."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--files", nargs="+", metavar="PATH", help="local .txt/.jsonl/.json/.csv/.parquet files, globs or folders"
+    )
+    source.add_argument("--dataset", metavar="NAME", help="a `datasets` dataset (Hub name or local path)")
+    parser.add_argument("--dataset-config", default=None, help="the dataset's configuration name")
+    parser.add_argument("--split", default="train", help="dataset split (default: train)")
+    parser.add_argument("--text-column", default="text", help="column holding the text (default: text)")
+    parser.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it whole")
+
+
+def corpus_from_args(args: argparse.Namespace) -> Corpus:
+    """The corpus the flags of `add_corpus_arguments` name."""
+    if args.files:
+        return local_corpus(args.files, text_column=args.text_column)
+    if args.dataset:
+        return hub_corpus(args.dataset, args.dataset_config, args.split, args.text_column, args.streaming)
+    return default_corpus()
