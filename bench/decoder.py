@@ -56,7 +56,7 @@ def build(kind: str, args) -> torch.nn.Module:
     """One model of `kind` ('deriv' or 'gpt2') at the benchmark's shape, in train mode, sdpa, no dropout."""
     torch.manual_seed(0)
     if kind == "deriv":
-        from deriv_lm import DerivConfig, DerivForCausalLM
+        from ..modeling_deriv import DerivConfig, DerivForCausalLM
 
         config = DerivConfig(
             vocab_size=args.vocab,

@@ -61,7 +61,7 @@ def build(kind: str, args) -> torch.nn.Module:
         decoder_start_token_id=1,
     )
     if kind == "deriv":
-        from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
+        from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 
         config = DerivSeq2SeqConfig(**shape, hidden_size=args.hidden, intermediate_size=args.ffn, hidden_act="relu")
         model = DerivForConditionalGeneration(config)

@@ -46,8 +46,8 @@ def _median_seconds(fn, repeats: int) -> tuple[float, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deriv_lm.tokenization import SPECIAL_TOKENS, default_corpus, reference_bpe, train_bpe
-    from deriv_lm.tokenization.bpe import to_transformers
+    from ..tokenization import SPECIAL_TOKENS, default_corpus, reference_bpe, train_bpe
+    from ..tokenization.bpe import to_transformers
 
     start = time.perf_counter()
     documents = list(default_corpus())

@@ -248,8 +248,7 @@ def run_eval(ns: argparse.Namespace) -> int:
 
 
 def _eval_translation(ns: argparse.Namespace, model, tokenizer) -> int:
-    from deriv_lm.tokenization.parallel import split_pairs
-
+    from ..tokenization.parallel import split_pairs
     from .translation import pair_corpus, score
 
     ns.files = ns.files or []

@@ -14,7 +14,7 @@ from .attention import pyplot
 def positional_encoding(path: str, positions: int = 64, dim: int = 128) -> str:
     """Left: the table PE(pos, i) that `DerivSinusoidalPositionalEmbedding` adds (§3.5). Right: PE(p) . PE(q),
     which depends only on |p - q|: nearby positions look alike, which attention can read as relative distance."""
-    from deriv_lm.modeling_deriv.modeling_deriv import sinusoidal_table
+    from ..modeling_deriv.modeling_deriv import sinusoidal_table
 
     table = sinusoidal_table(positions, dim).float()
     plt = pyplot()
