@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..arguments import integer, number
-from ..cli import one_line
+from ..hub_card.folder import load_folder
+from ..tokenization.corpus import add_corpus_arguments, corpus_from_args
 from . import args as training_args
 
 
@@ -103,31 +103,6 @@ def add_trust_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_folder(folder: str, seq2seq: bool | None = False, trust_remote_code: bool = False):
-    """(model, tokenizer) of an exported folder; `seq2seq=None` takes whichever kind the folder holds.
-
-    Deriv's model types are registered with the Auto classes when this package is imported, so its
-    folders load through the installed classes and their copied `.py` files never run; a folder of
-    another type runs its own code only with `trust_remote_code`.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
-
-    if not os.path.isdir(folder) and (os.path.exists(folder) or os.path.isabs(folder) or folder.startswith(".")):
-        raise SystemExit(f"{folder}: no such model folder")
-    try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        is_seq2seq = config.is_encoder_decoder
-        if seq2seq is not None and is_seq2seq != seq2seq:
-            wanted, found = ("translation", "language") if seq2seq else ("language", "translation")
-            raise SystemExit(f"{folder} holds a {found} model; this command needs a {wanted} model")
-        auto = AutoModelForSeq2SeqLM if is_seq2seq else AutoModelForCausalLM
-        model = auto.from_pretrained(folder, config=config, trust_remote_code=trust_remote_code).eval()
-        return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except Exception as error:  # a corrupt or foreign folder fails in many ways; name the folder and the cause
-        hint = "" if trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
-        raise SystemExit(f"{folder}: not a model folder this command can load ({one_line(error)}){hint}") from error
-
-
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """A prompt's ids, its text taken literally: `<eos>` typed in a prompt is five characters, not the token."""
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False).input_ids
@@ -137,9 +112,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     import torch
     from transformers import LogitsProcessorList, TextStreamer
 
-    from deriv_lm.modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+    from ..modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
 
-    model, tokenizer = _load_folder(ns.folder, trust_remote_code=ns.trust_remote_code)
+    loaded = load_folder(ns.folder, seq2seq=False, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
     ids = encode_prompt(tokenizer, ns.prompt)
     if not ids:
         if tokenizer.bos_token_id is None:
@@ -192,7 +168,8 @@ def run_generate(ns: argparse.Namespace) -> int:
 def run_translate(ns: argparse.Namespace) -> int:
     from .evaluate import translate
 
-    model, tokenizer = _load_folder(ns.folder, seq2seq=True, trust_remote_code=ns.trust_remote_code)
+    loaded = load_folder(ns.folder, seq2seq=True, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
     context = model.config.max_position_embeddings
     for i, text in enumerate(ns.text, 1):
         length = len(encode_prompt(tokenizer, text))
@@ -221,11 +198,10 @@ def run_translate(ns: argparse.Namespace) -> int:
 
 
 def run_eval(ns: argparse.Namespace) -> int:
-    from deriv_lm.tokenization.commands import corpus_from_args
-
     from .evaluate import sliding_window_perplexity
 
-    model, tokenizer = _load_folder(ns.folder, seq2seq=None, trust_remote_code=ns.trust_remote_code)
+    loaded = load_folder(ns.folder, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
     if model.config.is_encoder_decoder:
         return _eval_translation(ns, model, tokenizer)
     window = model.config.max_position_embeddings
