@@ -1,7 +1,7 @@
 """Deriv's encoder-decoder vs Hugging Face's MarianMTModel at the same size, side by side in one run.
 
-    deriv bench-seq2seq                      # or: python -m deriv_lm.bench.seq2seq
-    deriv bench-seq2seq --train-steps 5 --beam-repeats 3 --json out.json
+    deriv bench seq2seq                      # or: python -m deriv_lm.bench.seq2seq
+    deriv bench seq2seq --train-steps 5 --beam-repeats 3 --json out.json
 
 Marian is the library's model closest to the paper (post-LN, sinusoidal positions, scaled and tied
 embeddings); both get the same shape (default: 3 + 3 layers, hidden 384, 6 heads, d_ff 1536, vocab

@@ -1,7 +1,7 @@
 """Tokenizer benchmark: the `tokenizers` trainer, the reference heap trainer and the naive oracle, side by side.
 
-    deriv bench-tokenizer                 # or: python -m deriv_lm.bench.tokenizer
-    deriv bench-tokenizer --skip-naive    # the naive recount trainer takes minutes
+    deriv bench tokenizer                 # or: python -m deriv_lm.bench.tokenizer
+    deriv bench tokenizer --skip-naive    # the naive recount trainer takes minutes
 
 Rows: library training on the whole default corpus (vocab 8192); the three trainers on the same
 1 MB slice (vocab 2048), each from raw text (pre-tokenization included); encoding throughput of

@@ -1,6 +1,6 @@
 """Training throughput of the presets on this machine: tokens/s, model FLOP utilisation, data wait.
 
-    deriv bench-training                       # tiny and small, 30 steps each, on the default corpus
+    deriv bench training                       # tiny and small, 30 steps each, on the default corpus
 
 Each preset runs the real training command (`train_lm`: data pipeline, accelerate loop, logging)
 for a few steps with evaluation and checkpoints pushed out of the window; the figures are medians

@@ -35,11 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mt.set_defaults(func=run_translation)
 
 
-def add_use_arguments(sub) -> None:
-    """`deriv generate`, `deriv translate` and `deriv eval` (registered at the top level of the CLI)."""
-    from deriv_lm.tokenization.commands import add_corpus_arguments
-
-    gen = sub.add_parser("generate", help="generate text from a trained model folder")
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    """`deriv generate FOLDER PROMPT`."""
     gen.add_argument("folder")
     gen.add_argument("prompt", help="the text to continue; an empty prompt starts from the <bos> token")
     gen.add_argument("--max-new-tokens", type=integer(minimum=1), default=None)
@@ -56,7 +53,9 @@ def add_use_arguments(sub) -> None:
     add_trust_argument(gen)
     gen.set_defaults(func=run_generate)
 
-    tr = sub.add_parser("translate", help="translate text with a trained translation folder")
+
+def add_translate_arguments(tr: argparse.ArgumentParser) -> None:
+    """`deriv translate FOLDER TEXT...`."""
     tr.add_argument("folder")
     tr.add_argument("text", nargs="+", help="one or more source sentences")
     tr.add_argument(
@@ -69,12 +68,13 @@ def add_use_arguments(sub) -> None:
     add_trust_argument(tr)
     tr.set_defaults(func=run_translate)
 
-    ev = sub.add_parser(
-        "eval",
-        help="score a model folder: perplexity (language model) or BLEU / chrF (translation)",
-        description="A language model: perplexity on a corpus with a sliding window. A translation model: "
+
+def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
+    """`deriv eval FOLDER`."""
+    ev.description = (
+        "A language model: perplexity on a corpus with a sliding window. A translation model: "
         "BLEU and chrF with beam search on the held-out test split of the pairs (the split training used; "
-        "--all-pairs scores every pair, for a separate test file).",
+        "--all-pairs scores every pair, for a separate test file)."
     )
     ev.add_argument("folder")
     ev.add_argument("--stride", type=integer(minimum=1), default=None, help="default: half the context")

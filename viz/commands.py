@@ -9,8 +9,8 @@ from ..arguments import integer, number
 from .attention import load_eager
 
 
-def add_arguments(sub) -> None:
-    att = sub.add_parser("attention", help="heat maps of a model's attention weights on a text (PNG)")
+def add_attention_arguments(att: argparse.ArgumentParser) -> None:
+    """`deriv attention FOLDER TEXT`."""
     att.add_argument("folder")
     add_trust_argument(att)
     att.add_argument("text")
@@ -24,7 +24,9 @@ def add_arguments(sub) -> None:
     att.add_argument("--out", default="attention.png", help="output PNG (translation: one file per kind, suffixed)")
     att.set_defaults(func=_plotting(run_attention))
 
-    pic = sub.add_parser("picture", help="pictures of the parts: positions, tokens, temperature, curves")
+
+def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
+    """`deriv picture positions|tokens|temperature|curves`."""
     kinds = pic.add_subparsers(dest="picture", required=True)
     pos = kinds.add_parser("positions", help="the sinusoidal position table and the dot products between positions")
     pos.add_argument("--positions", type=integer(minimum=1), default=64)
