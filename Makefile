@@ -80,13 +80,13 @@ lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: setup
-	$(VENV)/bin/deriv bench $(BENCH_ARGS)
+	$(VENV)/bin/deriv bench decoder $(BENCH_ARGS)
 
 bench-seq2seq: setup
-	$(VENV)/bin/deriv bench-seq2seq $(BENCH_ARGS)
+	$(VENV)/bin/deriv bench seq2seq $(BENCH_ARGS)
 
 bench-tokenizer: setup
-	$(VENV)/bin/deriv bench-tokenizer $(BENCH_ARGS)
+	$(VENV)/bin/deriv bench tokenizer $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-oldest .venv-newest build *.egg-info .pytest_cache

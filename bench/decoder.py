@@ -1,7 +1,7 @@
 """Deriv vs Hugging Face's GPT2LMHeadModel at the same size, side by side in one run.
 
-    deriv bench                      # or: python -m deriv_lm.bench.decoder
-    deriv bench --train-steps 5 --gen-repeats 3 --json out.json
+    deriv bench decoder              # or: python -m deriv_lm.bench.decoder
+    deriv bench decoder --train-steps 5 --gen-repeats 3 --json out.json
 
 Both models get the same shape (default: 6 layers, hidden 384, 6 heads, d_ff 1536, context 256,
 vocab 8192), the same threads, the same inputs, sdpa attention and no dropout. Timings interleave
@@ -56,7 +56,7 @@ def build(kind: str, args) -> torch.nn.Module:
     """One model of `kind` ('deriv' or 'gpt2') at the benchmark's shape, in train mode, sdpa, no dropout."""
     torch.manual_seed(0)
     if kind == "deriv":
-        from deriv_lm import DerivConfig, DerivForCausalLM
+        from ..modeling_deriv import DerivConfig, DerivForCausalLM
 
         config = DerivConfig(
             vocab_size=args.vocab,

@@ -1,7 +1,7 @@
 """Deriv's encoder-decoder vs Hugging Face's MarianMTModel at the same size, side by side in one run.
 
-    deriv bench-seq2seq                      # or: python -m deriv_lm.bench.seq2seq
-    deriv bench-seq2seq --train-steps 5 --beam-repeats 3 --json out.json
+    deriv bench seq2seq                      # or: python -m deriv_lm.bench.seq2seq
+    deriv bench seq2seq --train-steps 5 --beam-repeats 3 --json out.json
 
 Marian is the library's model closest to the paper (post-LN, sinusoidal positions, scaled and tied
 embeddings); both get the same shape (default: 3 + 3 layers, hidden 384, 6 heads, d_ff 1536, vocab
@@ -61,7 +61,7 @@ def build(kind: str, args) -> torch.nn.Module:
         decoder_start_token_id=1,
     )
     if kind == "deriv":
-        from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
+        from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 
         config = DerivSeq2SeqConfig(**shape, hidden_size=args.hidden, intermediate_size=args.ffn, hidden_act="relu")
         model = DerivForConditionalGeneration(config)

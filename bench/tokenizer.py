@@ -1,7 +1,7 @@
 """Tokenizer benchmark: the `tokenizers` trainer, the reference heap trainer and the naive oracle, side by side.
 
-    deriv bench-tokenizer                 # or: python -m deriv_lm.bench.tokenizer
-    deriv bench-tokenizer --skip-naive    # the naive recount trainer takes minutes
+    deriv bench tokenizer                 # or: python -m deriv_lm.bench.tokenizer
+    deriv bench tokenizer --skip-naive    # the naive recount trainer takes minutes
 
 Rows: library training on the whole default corpus (vocab 8192); the three trainers on the same
 1 MB slice (vocab 2048), each from raw text (pre-tokenization included); encoding throughput of
@@ -46,8 +46,8 @@ def _median_seconds(fn, repeats: int) -> tuple[float, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deriv_lm.tokenization import SPECIAL_TOKENS, default_corpus, reference_bpe, train_bpe
-    from deriv_lm.tokenization.bpe import to_transformers
+    from ..tokenization import SPECIAL_TOKENS, default_corpus, reference_bpe, train_bpe
+    from ..tokenization.bpe import to_transformers
 
     start = time.perf_counter()
     documents = list(default_corpus())

@@ -1,6 +1,6 @@
 """Training throughput of the presets on this machine: tokens/s, model FLOP utilisation, data wait.
 
-    deriv bench-training                       # tiny and small, 30 steps each, on the default corpus
+    deriv bench training                       # tiny and small, 30 steps each, on the default corpus
 
 Each preset runs the real training command (`train_lm`: data pipeline, accelerate loop, logging)
 for a few steps with evaluation and checkpoints pushed out of the window; the figures are medians
@@ -21,7 +21,7 @@ from .report import entry_point
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from deriv_lm.training.args import PRESETS
+    from ..training.args import PRESETS
 
     parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=["tiny", "small"])
     parser.add_argument("--steps", type=integer(minimum=1), default=30)
@@ -29,8 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deriv_lm.training import PRESETS, TrainingArguments, train_lm
-
+    from ..training import PRESETS, TrainingArguments, train_lm
     from .decoder import matmul_peak_gflops
 
     peak = matmul_peak_gflops()

@@ -1,12 +1,81 @@
 """The `deriv` command: a thin argument parser over the package's rooms.
 
+The top-level parser is built from `COMMANDS` alone, without importing any room: each command is a stub that
+takes the rest of the line as it is. Only the command given is then built for real (its room imported, its
+arguments added by the function its entry names) and parses that rest. So this file imports nothing but the
+standard library when it is loaded, and `deriv_lm_cli` (the console script) answers `deriv --help` from it
+without importing the package, whose `__init__` imports torch and transformers to register the Auto classes.
+
 Bad input ends in one line, `deriv: error: ...`, naming the flag, file or folder and what is allowed,
 and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead.
 """
 
 import argparse
+import importlib
 import os
 import sys
+from typing import NamedTuple
+
+
+DESCRIPTION = """\
+Deriv: train, use, inspect and publish the transformer derived from first principles.
+`deriv COMMAND --help` shows a command's arguments.
+
+Bad input ends in one line, `deriv: error: ...`, naming the flag, file or folder and what is allowed,
+and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead."""
+
+
+class Command(NamedTuple):
+    name: str
+    help: str | None  # its line in `deriv --help`; None for an old spelling that still works but is not listed
+    arguments: str  # "module:function" under deriv_lm: adds the command's arguments and its `func` to a parser
+
+
+COMMANDS = (
+    Command(
+        "train",
+        "train a model (lm: the decoder language model; translation: the encoder-decoder)",
+        "training.commands:add_arguments",
+    ),
+    Command("generate", "generate text from a trained model folder", "training.commands:add_generate_arguments"),
+    Command(
+        "translate", "translate text with a trained translation folder", "training.commands:add_translate_arguments"
+    ),
+    Command(
+        "eval",
+        "score a model folder: perplexity (language model) or BLEU / chrF (translation)",
+        "training.commands:add_eval_arguments",
+    ),
+    Command(
+        "card",
+        "write the model card (README.md) of an exported folder from its records",
+        "hub_card.commands:add_card_arguments",
+    ),
+    Command("push", "upload an exported folder to the Hugging Face Hub", "hub_card.commands:add_push_arguments"),
+    Command(
+        "check",
+        "load a folder as a Hub user would (no deriv_lm, offline) and report each step",
+        "hub_card.commands:add_check_arguments",
+    ),
+    Command(
+        "attention", "heat maps of a model's attention weights on a text (PNG)", "viz.commands:add_attention_arguments"
+    ),
+    Command(
+        "picture",
+        "pictures of the parts: positions, tokens, temperature, curves",
+        "viz.commands:add_picture_arguments",
+    ),
+    Command("tokenizer", "train, show and measure byte-level BPE tokenizers", "tokenization.commands:add_arguments"),
+    Command(
+        "bench",
+        "benchmark Deriv against Hugging Face's peers at the same size: decoder, seq2seq, tokenizer, training",
+        "bench.commands:add_arguments",
+    ),
+    # the spellings before `deriv bench KIND`
+    Command("bench-seq2seq", None, "bench.commands:add_seq2seq_arguments"),
+    Command("bench-tokenizer", None, "bench.commands:add_tokenizer_arguments"),
+    Command("bench-training", None, "bench.commands:add_training_arguments"),
+)
 
 
 # What bad input raises in the rooms (a missing or unreadable file, a value out of range, a missing
@@ -19,6 +88,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"deriv: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _Rest(Parser):
+    """A command in the top-level parser: it keeps the rest of the line, untouched, for the command's own parser."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        return argparse.Namespace(rest=list(args or [])), []
 
 
 def bad_input(error: Exception) -> Exception | None:
@@ -36,8 +112,7 @@ def one_line(error: BaseException | str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     debug = args.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0")
     try:
         return args.func(args) or 0
@@ -54,50 +129,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="deriv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The top-level parser: `--debug` and one stub per command. Imports no room."""
+    parser = Parser(prog="deriv", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: DERIV_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    from .bench import decoder as bench_decoder
-    from .bench import seq2seq as bench_seq2seq
-    from .bench import tokenizer as bench_tokenizer
-    from .bench import training as bench_training
-    from .hub_card import commands as hub_commands
-    from .tokenization import commands as tokenizer_commands
-    from .training import commands as training_commands
-    from .viz import commands as viz_commands
-
-    train = sub.add_parser(
-        "train", help="train a model (lm: the decoder language model; translation: the encoder-decoder)"
-    )
-    training_commands.add_arguments(train)
-    training_commands.add_use_arguments(sub)
-
-    hub_commands.add_arguments(sub)
-    viz_commands.add_arguments(sub)
-
-    tokenizer = sub.add_parser("tokenizer", help="train, show and measure byte-level BPE tokenizers")
-    tokenizer_commands.add_arguments(tokenizer)
-
-    bench = sub.add_parser("bench", help="benchmark Deriv against Hugging Face's GPT-2 at the same size")
-    bench_decoder.add_arguments(bench)
-    bench.set_defaults(func=bench_decoder.run)
-
-    bench_s2s = sub.add_parser(
-        "bench-seq2seq", help="benchmark the encoder-decoder against Hugging Face's MarianMTModel at the same size"
-    )
-    bench_seq2seq.add_arguments(bench_s2s)
-    bench_s2s.set_defaults(func=bench_seq2seq.run)
-
-    bench_tok = sub.add_parser("bench-tokenizer", help="benchmark the BPE trainers and encoding")
-    bench_tokenizer.add_arguments(bench_tok)
-    bench_tok.set_defaults(func=bench_tokenizer.run)
-
-    bench_train = sub.add_parser("bench-training", help="training tokens/s and MFU of the presets on this machine")
-    bench_training.add_arguments(bench_train)
-    bench_train.set_defaults(func=bench_training.run)
-
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND", parser_class=_Rest)
+    for command in COMMANDS:
+        listed = {} if command.help is None else {"help": command.help}
+        sub.add_parser(command.name, add_help=False, **listed)
+    sub.choices = _Names(c.name for c in COMMANDS if c.help is not None)  # what "invalid choice" lists
     return parser
+
+
+class _Names(list):
+    """Command names as argparse checks a name: every command is in it, only the listed ones are shown."""
+
+    def __contains__(self, name) -> bool:
+        return any(c.name == name for c in COMMANDS)
+
+
+def command_parser(name: str) -> Parser:
+    """The full parser of one command (`deriv NAME ...`): imports the command's room, and only that."""
+    command = next(c for c in COMMANDS if c.name == name)
+    module, function = command.arguments.split(":")
+    parser = Parser(prog=f"deriv {name}", description=command.help)
+    getattr(importlib.import_module(f"deriv_lm.{module}"), function)(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The top-level parser answers `--help` and a missing or unknown command; the command's parser the rest."""
+    top = build_parser().parse_args(argv)
+    return command_parser(top.command).parse_args(top.rest, argparse.Namespace(debug=top.debug, command=top.command))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,16 @@ import argparse
 import sys
 
 
-def add_arguments(sub) -> None:
-    card = sub.add_parser("card", help="write the model card (README.md) of an exported folder from its records")
+def add_card_arguments(card: argparse.ArgumentParser) -> None:
+    """`deriv card FOLDER`."""
     card.add_argument("folder")
     card.add_argument("--repo-id", default=None, help="the repo the usage snippets load (default: the folder name)")
     card.add_argument("--license", default="apache-2.0", help="the license in the card's metadata")
     card.set_defaults(func=run_card)
 
-    push = sub.add_parser("push", help="upload an exported folder to the Hugging Face Hub")
+
+def add_push_arguments(push: argparse.ArgumentParser) -> None:
+    """`deriv push FOLDER --repo-id NAME`."""
     push.add_argument("folder")
     push.add_argument("--repo-id", required=True, help="NAME or OWNER/NAME")
     push.add_argument("--private", action="store_true")
@@ -21,9 +23,9 @@ def add_arguments(sub) -> None:
     push.add_argument("--dry-run", action="store_true", help="check the folder and list the upload; send nothing")
     push.set_defaults(func=run_push)
 
-    check = sub.add_parser(
-        "check", help="load a folder as a Hub user would (no deriv_lm, offline) and report each step"
-    )
+
+def add_check_arguments(check: argparse.ArgumentParser) -> None:
+    """`deriv check FOLDER`."""
     check.description = (
         "Load the folder the way a Hub user would, in a fresh process that cannot import this package: this runs "
         "the folder's own Python files (trust_remote_code=True), which is what it checks. Check only folders you "

@@ -1,7 +1,8 @@
-"""What an exported model folder holds, read from its files alone (the contract of DESIGN.md).
+"""What an exported model folder holds (the contract of DESIGN.md), and the one way to open it.
 
-Nothing here imports the training room or the models: a card, a dry run and a check are made from
-`config.json`, `run.json` and the other files, the way a Hub user would see them.
+A card, a dry run and a check are made from `config.json`, `run.json` and the other files alone, the way a
+Hub user would see them. `load_folder` opens the model itself, for every command and room that runs one.
+Nothing here imports the training room.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 # Folders and files an export keeps for training or resuming, never uploaded: optimizer states, the
@@ -64,6 +66,66 @@ def read_folder(path: str | os.PathLike) -> ModelFolder:
     gen_path = os.path.join(path, "generation_config.json")
     generation = _read_json(gen_path) if os.path.isfile(gen_path) else None
     return ModelFolder(path, config, run, generation)
+
+
+@dataclass
+class LoadedFolder:
+    """An exported folder, opened: the model (in eval mode), its tokenizer and configs, and the run record."""
+
+    path: str
+    model: Any
+    tokenizer: Any
+    config: Any  # the model's PretrainedConfig
+    record: dict | None  # run.json, or None when the folder has none (or is a Hub name, not a local folder)
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+
+def _cause(error: BaseException) -> str:
+    """An error's message on one line (a KeyError's key without the quotes `str` adds)."""
+    text = error.args[0] if isinstance(error, KeyError) and error.args else error
+    return " ".join(str(text).split()) or type(error).__name__
+
+
+def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remote_code: bool = False) -> LoadedFolder:
+    """Open an exported folder (or a Hub name): `seq2seq=True` wants a translation model, `False` a language
+    model, `None` takes whichever kind the folder holds. Bad input raises FileNotFoundError or ValueError with
+    one message naming the folder and the cause.
+
+    Deriv's model types are registered with the Auto classes when `deriv_lm` is imported, so its folders load
+    through the installed classes and their copied `.py` files never run; a folder of another type runs its own
+    code only with `trust_remote_code`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    folder = str(path)
+    local = os.path.isdir(folder)
+    if not local and (os.path.exists(folder) or os.path.isabs(folder) or folder.startswith(".")):
+        raise FileNotFoundError(f"{folder}: no such model folder")
+
+    def unloadable(error: Exception) -> ValueError:  # a corrupt or foreign folder fails in many ways
+        hint = "" if trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
+        return ValueError(f"{folder}: not a model folder this command can load ({_cause(error)}){hint}")
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        is_seq2seq = bool(config.is_encoder_decoder)
+    except Exception as error:
+        raise unloadable(error) from error
+    if seq2seq is not None and is_seq2seq != seq2seq:
+        wanted, found = ("translation", "language") if seq2seq else ("language", "translation")
+        raise ValueError(f"{folder} holds a {found} model; this command needs a {wanted} model")
+    auto = AutoModelForSeq2SeqLM if is_seq2seq else AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(folder, config=config, trust_remote_code=trust_remote_code).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise unloadable(error) from error
+    record_path = os.path.join(folder, "run.json")
+    record = _read_json(record_path) if local and os.path.isfile(record_path) else None
+    return LoadedFolder(folder, model, tokenizer, config, record)
 
 
 def code_files(folder: ModelFolder) -> list[str]:

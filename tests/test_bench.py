@@ -31,7 +31,7 @@ TINY_ARGS = [
 
 
 def test_bench_prints_the_side_by_side_table(tmp_path, capsys):
-    assert main(["bench", *TINY_ARGS, "--no-memory", "--json", str(tmp_path / "b.json")]) == 0
+    assert main(["bench", "decoder", *TINY_ARGS, "--no-memory", "--json", str(tmp_path / "b.json")]) == 0
     table = capsys.readouterr().out
     for row in ("train tokens/s", "model FLOP utilisation", "batch 1 (greedy)", "batch 8 (greedy)"):
         assert row in table
@@ -48,7 +48,8 @@ def test_peak_memory_child_reports_a_positive_size():
 
 def test_tokenizer_bench_prints_every_row_and_checks_equality(capsys):
     args = [
-        "bench-tokenizer",
+        "bench",
+        "tokenizer",
         "--vocab-size",
         "400",
         "--slice-mb",
@@ -66,7 +67,7 @@ def test_tokenizer_bench_prints_every_row_and_checks_equality(capsys):
 
 
 def test_training_bench_runs_a_preset_and_prints_its_row(capsys):
-    assert main(["bench-training", "--presets", "tiny", "--steps", "4", "--log-every", "1"]) == 0
+    assert main(["bench", "training", "--presets", "tiny", "--steps", "4", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
     row = [line for line in out.splitlines() if line.startswith("| tiny |")]
     assert row and "%" in row[0] and "| 2048 |" in row[0]
@@ -86,7 +87,7 @@ def test_seq2seq_bench_prints_the_side_by_side_table(tmp_path, capsys):
         "--beam-repeats",
         "1",
     ]
-    assert main(["bench-seq2seq", *args, "--json", str(tmp_path / "b.json")]) == 0
+    assert main(["bench", "seq2seq", *args, "--json", str(tmp_path / "b.json")]) == 0
     table = capsys.readouterr().out
     for row in ("train tokens/s", "beam search new tokens/s (4 beams)", "peak tensor memory, beam search"):
         assert row in table

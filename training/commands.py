@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..arguments import integer, number
-from ..cli import one_line
+from ..hub_card.folder import load_folder
+from ..tokenization.corpus import add_corpus_arguments, corpus_from_args
 from . import args as training_args
 
 
@@ -52,11 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mt.set_defaults(func=run_translation)
 
 
-def add_use_arguments(sub) -> None:
-    """`deriv generate`, `deriv translate` and `deriv eval` (registered at the top level of the CLI)."""
-    from deriv_lm.tokenization.commands import add_corpus_arguments
-
-    gen = sub.add_parser("generate", help="generate text from a trained model folder")
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    """`deriv generate FOLDER PROMPT`."""
     gen.add_argument("folder")
     gen.add_argument("prompt", help="the text to continue; an empty prompt starts from the <bos> token")
     gen.add_argument("--max-new-tokens", type=integer(minimum=1), default=None)
@@ -73,7 +70,9 @@ def add_use_arguments(sub) -> None:
     add_trust_argument(gen)
     gen.set_defaults(func=run_generate)
 
-    tr = sub.add_parser("translate", help="translate text with a trained translation folder")
+
+def add_translate_arguments(tr: argparse.ArgumentParser) -> None:
+    """`deriv translate FOLDER TEXT...`."""
     tr.add_argument("folder")
     tr.add_argument("text", nargs="+", help="one or more source sentences")
     tr.add_argument(
@@ -86,12 +85,13 @@ def add_use_arguments(sub) -> None:
     add_trust_argument(tr)
     tr.set_defaults(func=run_translate)
 
-    ev = sub.add_parser(
-        "eval",
-        help="score a model folder: perplexity (language model) or BLEU / chrF (translation)",
-        description="A language model: perplexity on a corpus with a sliding window. A translation model: "
+
+def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
+    """`deriv eval FOLDER`."""
+    ev.description = (
+        "A language model: perplexity on a corpus with a sliding window. A translation model: "
         "BLEU and chrF with beam search on the held-out test split of the pairs (the split training used; "
-        "--all-pairs scores every pair, for a separate test file).",
+        "--all-pairs scores every pair, for a separate test file)."
     )
     ev.add_argument("folder")
     ev.add_argument("--stride", type=integer(minimum=1), default=None, help="default: half the context")
@@ -120,31 +120,6 @@ def add_trust_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_folder(folder: str, seq2seq: bool | None = False, trust_remote_code: bool = False):
-    """(model, tokenizer) of an exported folder; `seq2seq=None` takes whichever kind the folder holds.
-
-    Deriv's model types are registered with the Auto classes when this package is imported, so its
-    folders load through the installed classes and their copied `.py` files never run; a folder of
-    another type runs its own code only with `trust_remote_code`.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
-
-    if not os.path.isdir(folder) and (os.path.exists(folder) or os.path.isabs(folder) or folder.startswith(".")):
-        raise SystemExit(f"{folder}: no such model folder")
-    try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        is_seq2seq = config.is_encoder_decoder
-        if seq2seq is not None and is_seq2seq != seq2seq:
-            wanted, found = ("translation", "language") if seq2seq else ("language", "translation")
-            raise SystemExit(f"{folder} holds a {found} model; this command needs a {wanted} model")
-        auto = AutoModelForSeq2SeqLM if is_seq2seq else AutoModelForCausalLM
-        model = auto.from_pretrained(folder, config=config, trust_remote_code=trust_remote_code).eval()
-        return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except Exception as error:  # a corrupt or foreign folder fails in many ways; name the folder and the cause
-        hint = "" if trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
-        raise SystemExit(f"{folder}: not a model folder this command can load ({one_line(error)}){hint}") from error
-
-
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """A prompt's ids, its text taken literally: `<eos>` typed in a prompt is five characters, not the token."""
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False).input_ids
@@ -154,9 +129,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     import torch
     from transformers import LogitsProcessorList, TextStreamer
 
-    from deriv_lm.modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+    from ..modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
 
-    model, tokenizer = _load_folder(ns.folder, trust_remote_code=ns.trust_remote_code)
+    loaded = load_folder(ns.folder, seq2seq=False, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
     ids = encode_prompt(tokenizer, ns.prompt)
     if not ids:
         if tokenizer.bos_token_id is None:
@@ -209,7 +185,8 @@ def run_generate(ns: argparse.Namespace) -> int:
 def run_translate(ns: argparse.Namespace) -> int:
     from .evaluate import translate
 
-    model, tokenizer = _load_folder(ns.folder, seq2seq=True, trust_remote_code=ns.trust_remote_code)
+    loaded = load_folder(ns.folder, seq2seq=True, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
     context = model.config.max_position_embeddings
     for i, text in enumerate(ns.text, 1):
         length = len(encode_prompt(tokenizer, text))
@@ -238,11 +215,10 @@ def run_translate(ns: argparse.Namespace) -> int:
 
 
 def run_eval(ns: argparse.Namespace) -> int:
-    from deriv_lm.tokenization.commands import corpus_from_args
-
     from .evaluate import sliding_window_perplexity
 
-    model, tokenizer = _load_folder(ns.folder, seq2seq=None, trust_remote_code=ns.trust_remote_code)
+    loaded = load_folder(ns.folder, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
     if model.config.is_encoder_decoder:
         return _eval_translation(ns, model, tokenizer)
     window = model.config.max_position_embeddings
@@ -265,8 +241,7 @@ def run_eval(ns: argparse.Namespace) -> int:
 
 
 def _eval_translation(ns: argparse.Namespace, model, tokenizer) -> int:
-    from deriv_lm.tokenization.parallel import split_pairs
-
+    from ..tokenization.parallel import split_pairs
     from .translation import pair_corpus, score
 
     ns.files = ns.files or []

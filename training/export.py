@@ -24,31 +24,7 @@ from ..hub_card.record import (
 from ..tokenization.bpe import make_portable
 from ..tokenization.files import atomic_directory
 
-
-def plot_losses(history: list[dict], path: str) -> bool:
-    """Training and validation loss against tokens seen, as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    train = [(r["tokens_seen"], r["train_loss"]) for r in history if "train_loss" in r]
-    val = [(r["tokens_seen"], r["val_loss"]) for r in history if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="training loss", linewidth=1)
-    if val:
-        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("cross-entropy (nats per token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+from ..viz.pictures import plot_losses
 
 
 # An absolute path in text: a "/" not preceded by a word character, a colon or another "/" (so not a URL or a

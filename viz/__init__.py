@@ -4,7 +4,7 @@ Plotting needs matplotlib (`pip install 'deriv-lm[viz]'`); the weights themselve
 """
 
 from .attention import AttentionMaps, attention_maps, load_eager, plot_attention, select
-from .pictures import curves, positional_encoding, temperature, token_split
+from .pictures import curves, plot_losses, positional_encoding, temperature, token_split
 
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "token_split",
     "temperature",
     "curves",
+    "plot_losses",
 ]

@@ -22,20 +22,12 @@ class AttentionMaps:
 
 
 def load_eager(folder: str, trust_remote_code: bool = False):
-    """(model, tokenizer) of an exported folder, with the eager attention kernel; a clear error otherwise."""
-    import os
+    """(model, tokenizer) of an exported folder (`load_folder`), switched to the eager attention kernel."""
+    from ..hub_card.folder import load_folder
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
-
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise FileNotFoundError(f"{folder} is not a model folder: it has no config.json")
-    # Deriv's types are registered with the Auto classes, so its folders load through the installed classes and
-    # their copied .py files never run; another type runs its own code only when the user says so.
-    trust = {"trust_remote_code": trust_remote_code}
-    config = AutoConfig.from_pretrained(folder, **trust)
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = auto.from_pretrained(folder, config=config, attn_implementation="eager", **trust).eval()
-    return model, AutoTokenizer.from_pretrained(folder, **trust)
+    loaded = load_folder(folder, trust_remote_code=trust_remote_code)
+    loaded.model.set_attn_implementation("eager")
+    return loaded.model, loaded.tokenizer
 
 
 def _tokens(tokenizer, ids: list[int]) -> list[str]:

@@ -6,10 +6,11 @@ import argparse
 import os
 
 from ..arguments import integer, number
+from .attention import load_eager
 
 
-def add_arguments(sub) -> None:
-    att = sub.add_parser("attention", help="heat maps of a model's attention weights on a text (PNG)")
+def add_attention_arguments(att: argparse.ArgumentParser) -> None:
+    """`deriv attention FOLDER TEXT`."""
     att.add_argument("folder")
     add_trust_argument(att)
     att.add_argument("text")
@@ -23,7 +24,9 @@ def add_arguments(sub) -> None:
     att.add_argument("--out", default="attention.png", help="output PNG (translation: one file per kind, suffixed)")
     att.set_defaults(func=_plotting(run_attention))
 
-    pic = sub.add_parser("picture", help="pictures of the parts: positions, tokens, temperature, curves")
+
+def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
+    """`deriv picture positions|tokens|temperature|curves`."""
     kinds = pic.add_subparsers(dest="picture", required=True)
     pos = kinds.add_parser("positions", help="the sinusoidal position table and the dot products between positions")
     pos.add_argument("--positions", type=integer(minimum=1), default=64)
@@ -79,22 +82,10 @@ def _done(paths) -> int:
     return 0
 
 
-def _load(ns: argparse.Namespace):
-    from .attention import load_eager
-
-    try:
-        return load_eager(ns.folder, trust_remote_code=ns.trust_remote_code)
-    except Exception as error:  # a corrupt or foreign folder fails in many ways; name the folder and the cause
-        hint = (
-            "" if ns.trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
-        )
-        raise SystemExit(f"{ns.folder}: not a model folder ({' '.join(str(error).split())}){hint}") from error
-
-
 def run_attention(ns: argparse.Namespace) -> int:
     from .attention import attention_maps, plot_attention, select
 
-    model, tokenizer = _load(ns)
+    model, tokenizer = load_eager(ns.folder, trust_remote_code=ns.trust_remote_code)
     try:
         maps = attention_maps(model, tokenizer, ns.text, ns.target)
         kinds = list(maps) if ns.kind == "all" else [ns.kind]
@@ -137,7 +128,7 @@ def _temperature(ns):
 
     if len(ns.temperatures) < 2:
         raise SystemExit("--temperatures needs two or more values: the picture compares them")
-    model, tokenizer = _load(ns)
+    model, tokenizer = load_eager(ns.folder, trust_remote_code=ns.trust_remote_code)
     if model.config.is_encoder_decoder:
         raise SystemExit(
             "`picture temperature` draws a language model's next-token distribution; this is a translation model"

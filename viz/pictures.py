@@ -14,7 +14,7 @@ from .attention import pyplot
 def positional_encoding(path: str, positions: int = 64, dim: int = 128) -> str:
     """Left: the table PE(pos, i) that `DerivSinusoidalPositionalEmbedding` adds (§3.5). Right: PE(p) . PE(q),
     which depends only on |p - q|: nearby positions look alike, which attention can read as relative distance."""
-    from deriv_lm.modeling_deriv.modeling_deriv import sinusoidal_table
+    from ..modeling_deriv.modeling_deriv import sinusoidal_table
 
     table = sinusoidal_table(positions, dim).float()
     plt = pyplot()
@@ -99,15 +99,39 @@ def temperature(
     return path
 
 
+def plot_losses(history: list[dict], path: str) -> bool:
+    """Training and validation loss against tokens seen, as a PNG; False when matplotlib is missing.
+
+    `history` is the trainer's log, one dict per line of `metrics.jsonl` (`tokens_seen`, and `train_loss` or
+    `val_loss`); the trainer draws `loss.png` with it, and `curves` draws it again from a folder."""
+    try:
+        plt = pyplot()
+    except ImportError:
+        return False
+    train = [(r["tokens_seen"], r["train_loss"]) for r in history if "train_loss" in r]
+    val = [(r["tokens_seen"], r["val_loss"]) for r in history if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="training loss", linewidth=1)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def curves(folder: str, path: str) -> str:
     """The training and validation loss the trainer logged in `metrics.jsonl`, drawn again."""
-    from deriv_lm.training.export import plot_losses
-
     metrics = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(metrics):
         raise FileNotFoundError(f"{folder} has no metrics.jsonl: it was not written by `deriv train`")
     with open(metrics, encoding="utf-8") as f:
         history = [json.loads(line) for line in f if line.strip()]
-    pyplot()  # the clear error if matplotlib is missing
-    plot_losses(history, path)
+    if not plot_losses(history, path):
+        pyplot()  # matplotlib is missing: the error that says how to install it
     return path

@@ -1,0 +1,54 @@
+"""`deriv bench decoder|seq2seq|tokenizer|training`: the command-line side of the benchmarks.
+
+Each kind is a module of this room with `add_arguments(parser)` and `run(args)`, also runnable alone as
+`python -m deriv_lm.bench.<kind>`. `deriv bench-seq2seq`, `bench-tokenizer` and `bench-training` are the old
+spellings, still accepted and left out of `deriv --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+
+KINDS = {
+    "decoder": "the decoder against Hugging Face's GPT2LMHeadModel at the same size",
+    "seq2seq": "the encoder-decoder against Hugging Face's MarianMTModel at the same size",
+    "tokenizer": "the BPE trainers and encoding",
+    "training": "training tokens/s and MFU of the presets on this machine",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv bench KIND ...`: one sub-command per benchmark."""
+    kinds = parser.add_subparsers(title="benchmarks", dest="kind", required=True, metavar="KIND")
+    for kind, summary in KINDS.items():
+        add_kind_arguments(kinds.add_parser(kind, help=summary), kind)
+
+
+def add_kind_arguments(parser: argparse.ArgumentParser, kind: str) -> None:
+    """The arguments of one benchmark, its module docstring as the description, and the function that runs it."""
+    module = _module(kind)
+    parser.description = module.__doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    module.add_arguments(parser)
+    parser.set_defaults(func=lambda args: _module(kind).run(args))  # looked up when it runs, not when parsed
+
+
+def _module(kind: str):
+    return importlib.import_module(f".{kind}", __package__)
+
+
+def add_seq2seq_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv bench-seq2seq`, the old spelling of `deriv bench seq2seq`."""
+    add_kind_arguments(parser, "seq2seq")
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv bench-tokenizer`, the old spelling of `deriv bench tokenizer`."""
+    add_kind_arguments(parser, "tokenizer")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv bench-training`, the old spelling of `deriv bench training`."""
+    add_kind_arguments(parser, "training")

@@ -1,0 +1,39 @@
+"""The `deriv` console script: `deriv --help` in a blink, every command as `deriv_lm.cli.main` runs it.
+
+Importing anything under `deriv_lm` runs the package's `__init__`, which imports torch and transformers (seconds)
+so that the Auto classes know Deriv's models. The top-level parser needs neither: `deriv_lm/cli.py` imports only
+the standard library when it is loaded, so this launcher reads that file on its own, without the package, and
+lets its parser answer `--help` and a missing or unknown command. A command to run is handed, whole, to
+`deriv_lm.cli.main`.
+"""
+
+import importlib.util
+import os
+import sys
+
+
+def _cli_without_the_package():
+    """deriv_lm/cli.py loaded as a module of its own, the package not imported; None where it cannot be."""
+    package = importlib.util.find_spec("deriv_lm")  # finds the package without running its __init__
+    for folder in (package and package.submodule_search_locations) or []:
+        path = os.path.join(folder, "cli.py")
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("_deriv_cli_table", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    table = _cli_without_the_package()
+    if table is not None:
+        table.build_parser().parse_args(argv)  # exits here for --help, no command or an unknown one
+    from deriv_lm.cli import main as run
+
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
