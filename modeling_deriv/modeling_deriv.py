@@ -11,8 +11,9 @@ Where the code departs from the 2017 paper, on purpose:
   (Xiong et al. 2020); the default is the paper's post-LN.
 - `hidden_act="gelu"` replaces the ReLU of the feed-forward network if asked for.
 - `position_embedding_type="learned"` replaces the sinusoid with a trained table (GPT-2).
-- Initialisation (the paper gives none): linear layers N(0, 0.02), token embedding
-  N(0, 1/d_model) so that the sqrt(d_model)-scaled embedding has unit variance, like the sinusoid.
+- Initialisation (the paper gives none): linear layers N(0, 0.02^2), token embedding N(0, d_model^-3/2),
+  small enough that an untrained model, whose output projection is that embedding, starts at the loss of a
+  uniform guess, ln V, instead of betting that each token repeats itself (`DerivPreTrainedModel._init_weights`).
 """
 
 import math
@@ -100,7 +101,8 @@ def position_embedding(config) -> nn.Module:
 
 
 class DerivScaledWordEmbedding(nn.Embedding):
-    """Token embedding multiplied by sqrt(d_model) (§3.4), so it is on the scale of the sinusoid.
+    """Token embedding multiplied by sqrt(d_model) (§3.4), the factor that puts an embedding of unit-norm rows
+    on the scale of the sinusoid (the table starts smaller: see `DerivPreTrainedModel._init_weights`).
 
     The scale lives in the embedding, not in the model, so `inputs_embeds` passed by a caller are in
     the same space as those computed from ids, and the tied output projection uses the unscaled table.
@@ -307,11 +309,29 @@ class DerivPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module):
+        r"""Linear layers N(0, 0.02^2) with zero bias, LayerNorm (1, 0), the sinusoid recomputed, and the token
+        embedding E drawn N(0, s^2) with s = d^-3/4, so that the first loss is ln V, a uniform guess.
+
+        Why s = d^-3/4, and not the d^-1/2 that gives sqrt(d) E[x] unit variance like the sinusoid: E is also
+        the output projection. Each sub-layer adds a few percent to the variance of its input at init (two
+        N(0, 0.02^2) maps in series), so the last hidden state is about h = LayerNorm(x_0), x_0 = sqrt(d) e_t +
+        PE(t), |h|^2 = d, and the logits z_j = h . e_j are
+            z_j ~ N(0, d s^2)                                   for every token j but the current one t,
+            z_t = sqrt(d) |e_t|^2 / sigma = d^(3/2) s^2 / sigma     sigma^2 = d s^2 + 1/2 (the sinusoid's 1/2),
+        and the loss on a next token y != t is  E[logsumexp_j z_j] - E[z_y] = ln V + d s^2 / 2 + ln(1 + e^(z_t) / V).
+        s = d^-1/2 makes z_t = sqrt(2d / 3), 13 at d = 256: the model bets e^13 to one that the next token
+        repeats this one and starts at 13 nats where ln 4096 = 8.3. s = d^-3/4 makes d s^2 = d^-1/2 and
+        z_t = 1 / sigma < sqrt(2) at every width: the first loss is ln V + 1 / (2 sqrt(d)) + O(4 / V), 0.03
+        nats above ln 4096 at d = 256. A fixed s (GPT-2's 0.02) keeps z_t = d^(3/2) s^2 / sigma growing with
+        width (14 at d = 1024), and a logit scale would be one more config field that old folders lack.
+        """
         super()._init_weights(module)  # linear N(0, initializer_range) with zero bias, LayerNorm (1, 0)
         if isinstance(module, DerivSinusoidalPositionalEmbedding):
             init.copy_(module.weight, sinusoidal_table(module.num_positions, module.embedding_dim))
         elif isinstance(module, DerivScaledWordEmbedding):
-            init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
+            # subtle: init.* skips tensors from_pretrained has loaded, so exported folders (whatever init they
+            # were trained from) load bit for bit; only a missing weight is drawn here.
+            init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.75)
 
 
 def check_inputs(input_ids: torch.LongTensor | None, position_ids: torch.LongTensor, config: DerivConfig) -> None:

@@ -2,15 +2,21 @@
 sinusoid, the mask, the loss, tying, the variants, and clear errors on bad input."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY, make_model
 from reference import reference_logits, sinusoid
+from safetensors.torch import load_file
 
 from deriv_lm import DerivConfig, DerivForCausalLM, DerivModel
 from deriv_lm.modeling_deriv.modeling_deriv import eager_attention_forward, sinusoidal_table
+from deriv_lm.training.args import TrainingArguments
+
+
+DATA = Path(__file__).parent / "data"
 
 
 def ids(batch=2, length=12, seed=0, vocab=TINY["vocab_size"]):
@@ -101,9 +107,65 @@ def test_loss_is_shifted_cross_entropy(tiny_model):
     torch.testing.assert_close(out.loss, expected)
 
 
+def preset_config(**overrides) -> DerivConfig:
+    """The shape `deriv train lm` builds by default (the `tiny` preset: V 4096, d 256, 4 layers, post-LN)."""
+    args = TrainingArguments()
+    shape = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.context_length,
+        dropout=args.dropout,
+    )
+    return DerivConfig(**{**shape, **overrides})
+
+
+# The `tiny` preset, and a wide shallow model: the logit a token gives itself grows as sqrt(d) unless the
+# embedding's scale follows d (see `DerivPreTrainedModel._init_weights`), so width is what would break it.
+SHAPES = {"tiny-preset": {}, "wide": dict(hidden_size=1024, num_hidden_layers=1, num_attention_heads=8)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_first_loss_is_a_uniform_guess(shape, pre_norm):
+    # The paper-style init (embedding N(0, 1/d)) started the tiny preset at 13 nats, ln 4096 = 8.3: it bet on
+    # each token repeating itself.
+    torch.manual_seed(0)
+    model = DerivForCausalLM(preset_config(pre_norm=pre_norm, **SHAPES[shape]))
+    x = ids(batch=4, length=64, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        for train in (False, True):  # with and without dropout
+            loss = model.train(train)(x, labels=x).loss.item()
+            assert abs(loss - math.log(model.config.vocab_size)) < 0.5, (train, loss)
+
+
 def test_untrained_loss_is_near_log_vocab(tiny_model):
     loss = tiny_model(ids(batch=4, length=32), labels=ids(batch=4, length=32)).loss.item()
-    assert abs(loss - math.log(TINY["vocab_size"])) < 1.0
+    assert abs(loss - math.log(TINY["vocab_size"])) < 0.5
+
+
+def test_exported_folders_load_their_weights_untouched():
+    # The initialisation runs on from_pretrained too, for the weights a folder lacks; the `init.*` helpers
+    # skip loaded ones. A folder trained under the paper-style init (tests/data, made before the change)
+    # must come back bit for bit, so it computes the logits it always did.
+    folder = DATA / "numbers_lm"
+    model = DerivForCausalLM.from_pretrained(folder)
+    stored = load_file(folder / "model.safetensors")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, stored[name if name in stored else "model.embed_tokens.weight"]), name
+
+
+def test_weights_drawn_the_old_way_reload_to_identical_logits(tmp_path):
+    model = make_model()
+    with torch.no_grad():  # the paper-style embedding: N(0, 1/d), sqrt(d) E[x] of unit variance
+        model.model.embed_tokens.weight.normal_(0.0, TINY["hidden_size"] ** -0.5)
+    model.save_pretrained(tmp_path)
+    loaded = DerivForCausalLM.from_pretrained(tmp_path).eval()
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
 
 
 def test_output_projection_is_tied_to_embedding(tiny_model):

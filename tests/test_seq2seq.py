@@ -1,15 +1,20 @@
 """The encoder-decoder: shapes, the loss, the shift, ties, caches, beam search, Auto / remote-code / pipeline."""
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import run_without_package
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, EncoderDecoderCache, pipeline
 
 from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from deriv_lm.modeling_deriv.modeling_deriv import CACHE_NAME
 from deriv_lm.modeling_deriv.modeling_deriv_seq2seq import shift_tokens_right
 from deriv_lm.modeling_deriv.pipeline_deriv import TASK, DerivTranslationPipeline
+from deriv_lm.training.args import TRANSLATION_PRESETS, TranslationTrainingArguments
 
 
 SEQ2SEQ = dict(
@@ -134,6 +139,47 @@ def test_weights_stay_tied_after_save_and_load(tmp_path):
         loaded(**src, decoder_input_ids=src["input_ids"]).logits,
         model(**src, decoder_input_ids=src["input_ids"]).logits,
     )
+
+
+def translation_preset_config(**overrides) -> DerivSeq2SeqConfig:
+    """The shape `deriv train translation` builds by default (its `tiny` preset: V 4096, d 256, 3 + 3 layers)."""
+    args = TranslationTrainingArguments(**TRANSLATION_PRESETS["tiny"])
+    shape = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        encoder_layers=args.num_hidden_layers,
+        decoder_layers=args.num_hidden_layers,
+        encoder_attention_heads=args.num_attention_heads,
+        decoder_attention_heads=args.num_attention_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.context_length,
+        dropout=args.dropout,
+    )
+    return DerivSeq2SeqConfig(**{**shape, **overrides})
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_first_loss_is_a_uniform_guess(pre_norm):
+    # The decoder-only model's argument holds here: the last decoder state is about its own normalised input
+    # embedding, and the tied output projection must not score that token far above the rest.
+    torch.manual_seed(0)
+    model = DerivForConditionalGeneration(translation_preset_config(pre_norm=pre_norm))
+    g = torch.Generator().manual_seed(0)
+    source, target = (torch.randint(3, model.config.vocab_size, (4, 48), generator=g) for _ in range(2))
+    with torch.no_grad():
+        for train in (False, True):  # with and without dropout
+            loss = model.train(train)(input_ids=source, labels=target).loss.item()
+            assert abs(loss - math.log(model.config.vocab_size)) < 0.5, (train, loss)
+
+
+def test_exported_folders_load_their_weights_untouched():
+    # A folder trained under the paper-style init (tests/data) comes back bit for bit: the initialisation
+    # skips loaded weights, so old folders compute the logits they always did.
+    folder = Path(__file__).parent / "data" / "numbers_en"
+    model = DerivForConditionalGeneration.from_pretrained(folder)
+    stored = load_file(folder / "model.safetensors")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, stored[name if name in stored else "model.shared.weight"]), name
 
 
 def greedy(model, **kwargs):
