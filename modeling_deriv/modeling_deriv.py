@@ -11,9 +11,10 @@ Where the code departs from the 2017 paper, on purpose:
   (Xiong et al. 2020); the default is the paper's post-LN.
 - `hidden_act="gelu"` replaces the ReLU of the feed-forward network if asked for.
 - `position_embedding_type="learned"` replaces the sinusoid with a trained table (GPT-2).
-- Initialisation (the paper gives none): linear layers N(0, 0.02^2), token embedding N(0, d_model^-3/2),
-  small enough that an untrained model, whose output projection is that embedding, starts at the loss of a
-  uniform guess, ln V, instead of betting that each token repeats itself (`DerivPreTrainedModel._init_weights`).
+- Initialisation (the paper gives none): linear layers N(0, 0.02^2), token embedding N(0, 1/d_model) so that
+  the sqrt(d_model)-scaled embedding has unit variance like the sinusoid, and the LayerNorm that feeds the tied
+  output projection starts with a gain below 1, so that an untrained model starts at the loss of a uniform
+  guess, ln V, instead of betting that each token repeats itself (`DerivPreTrainedModel._init_weights`).
 """
 
 import math
@@ -309,29 +310,40 @@ class DerivPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module):
-        r"""Linear layers N(0, 0.02^2) with zero bias, LayerNorm (1, 0), the sinusoid recomputed, and the token
-        embedding E drawn N(0, s^2) with s = d^-3/4, so that the first loss is ln V, a uniform guess.
+        r"""Linear layers N(0, 0.02^2) with zero bias, LayerNorm (1, 0), the sinusoid recomputed, the token
+        embedding E N(0, 1/d) (so sqrt(d) E[x] has unit variance, like the sinusoid), and the gain of the
+        LayerNorm that feeds the output projection set to g = ln V / (2 sqrt(2d / 3)), so that the first
+        loss is ln V, a uniform guess.
 
-        Why s = d^-3/4, and not the d^-1/2 that gives sqrt(d) E[x] unit variance like the sinusoid: E is also
-        the output projection. Each sub-layer adds a few percent to the variance of its input at init (two
-        N(0, 0.02^2) maps in series), so the last hidden state is about h = LayerNorm(x_0), x_0 = sqrt(d) e_t +
-        PE(t), |h|^2 = d, and the logits z_j = h . e_j are
-            z_j ~ N(0, d s^2)                                   for every token j but the current one t,
-            z_t = sqrt(d) |e_t|^2 / sigma = d^(3/2) s^2 / sigma     sigma^2 = d s^2 + 1/2 (the sinusoid's 1/2),
-        and the loss on a next token y != t is  E[logsumexp_j z_j] - E[z_y] = ln V + d s^2 / 2 + ln(1 + e^(z_t) / V).
-        s = d^-1/2 makes z_t = sqrt(2d / 3), 13 at d = 256: the model bets e^13 to one that the next token
-        repeats this one and starts at 13 nats where ln 4096 = 8.3. s = d^-3/4 makes d s^2 = d^-1/2 and
-        z_t = 1 / sigma < sqrt(2) at every width: the first loss is ln V + 1 / (2 sqrt(d)) + O(4 / V), 0.03
-        nats above ln 4096 at d = 256. A fixed s (GPT-2's 0.02) keeps z_t = d^(3/2) s^2 / sigma growing with
-        width (14 at d = 1024), and a logit scale would be one more config field that old folders lack.
+        Why: E is also the output projection. Each sub-layer adds a few percent to the variance of its input
+        at init (two N(0, 0.02^2) maps in series), so the last hidden state is about h = g LayerNorm(x_0),
+        x_0 = sqrt(d) e_t + PE(t) with sigma^2 = 1 + 1/2 per dimension, and the logits z_j = h . e_j are
+            z_j ~ N(0, g^2)                                   for every token j but the current one t,
+            z_t = g sqrt(d) |e_t|^2 / sigma = g sqrt(2d / 3)
+        so the loss on a next token y != t is about ln V + g^2 / 2 + ln(1 + e^(z_t) / V). With g = 1,
+        z_t = sqrt(2d / 3) is 13 at d = 256: the model bets e^13 to one that each token repeats itself and
+        starts at 13 nats where ln 4096 = 8.3. The gain above makes z_t = ln(V) / 2, so the first loss is
+        ln V + g^2 / 2 + ln(1 + V^-1/2): 0.07 nats above ln 4096 for the tiny preset (g = 0.32), at any width.
+        Shrinking E instead (GPT-2's 0.02, or d^-3/4) also silences the token against the sinusoid at the
+        input, and the first hundreds of steps pay for it (docs/results.md); the gain is a parameter the
+        model learns, so nothing is fixed for good, and it needs no config field that old folders lack.
         """
         super()._init_weights(module)  # linear N(0, initializer_range) with zero bias, LayerNorm (1, 0)
+        # subtle: init.* skips tensors from_pretrained has loaded, so exported folders (whatever init they were
+        # trained from) load bit for bit; only a missing weight is drawn here.
         if isinstance(module, DerivSinusoidalPositionalEmbedding):
             init.copy_(module.weight, sinusoidal_table(module.num_positions, module.embedding_dim))
         elif isinstance(module, DerivScaledWordEmbedding):
-            # subtle: init.* skips tensors from_pretrained has loaded, so exported folders (whatever init they
-            # were trained from) load bit for bit; only a missing weight is drawn here.
-            init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.75)
+            init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
+        elif getattr(module, "feeds_output_projection", False):
+            d, vocab = self.config.hidden_size, self.config.vocab_size
+            init.constant_(module.weight, min(1.0, math.log(vocab) / (2 * math.sqrt(2 * d / 3))))
+
+
+def mark_output_norm(layers: nn.ModuleList, norm: nn.Module, pre_norm: bool) -> None:
+    """Mark the LayerNorm whose output the tied projection reads (the final norm under pre-LN, the last block's
+    last norm under post-LN), for `_init_weights`; called before `post_init`."""
+    (norm if pre_norm else layers[-1].final_layer_norm).feeds_output_projection = True
 
 
 def check_inputs(input_ids: torch.LongTensor | None, position_ids: torch.LongTensor, config: DerivConfig) -> None:
@@ -378,6 +390,7 @@ class DerivModel(DerivPreTrainedModel):
         self.layers = nn.ModuleList([DerivDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         # Pre-LN leaves the residual stream unnormalised after the last block; post-LN already ends in one.
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        mark_output_norm(self.layers, self.norm, config.pre_norm)
         self.gradient_checkpointing = False
         self.post_init()
 

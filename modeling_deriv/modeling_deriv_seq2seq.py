@@ -35,6 +35,7 @@ from .modeling_deriv import (
     DerivScaledWordEmbedding,
     check_inputs,
     check_mask,
+    mark_output_norm,
     position_embedding,
     take_cache,
 )
@@ -134,6 +135,8 @@ class DerivSeq2SeqStack(DerivSeq2SeqPreTrainedModel):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        if layer_class is DerivSeq2SeqDecoderLayer:  # the decoder's last norm feeds the output projection
+            mark_output_norm(self.layers, self.norm, config.pre_norm)
         self.gradient_checkpointing = False
         self.post_init()
 
