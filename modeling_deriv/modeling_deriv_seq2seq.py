@@ -6,9 +6,8 @@
 
 The parts are the decoder-only model's (`modeling_deriv.py`): the scaled embedding, the sinusoid, the
 attention (with its cross-attention path), the feed-forward network and the residual + LayerNorm
-wrapper; this file assembles them and adds the translation loss. One embedding matrix serves the
-encoder input, the decoder input and the output projection (§3.4), so source and target share one
-vocabulary.
+wrapper; this file only assembles them. One embedding matrix serves the encoder input, the decoder
+input and the output projection (§3.4), so source and target share one vocabulary.
 """
 
 import torch
@@ -301,35 +300,6 @@ class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
         )
 
 
-class SummedCrossEntropy(torch.autograd.Function):
-    """L = sum_t -log softmax(z_t)[y_t] over the labelled positions (y_t != -100), with dL/dz_t = softmax(z_t) -
-    onehot(y_t) (zero where y_t = -100): `cross_entropy(z, y, ignore_index=-100, reduction="sum")`, two
-    (N, V) buffers lighter."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.LongTensor) -> torch.Tensor:  # (N, V), (N,)
-        log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
-        labelled = labels != -100
-        targets = labels.clamp(min=0).unsqueeze(1)  # (N, 1); an ignored position picks any entry, masked below
-        token_losses = -log_probs.gather(1, targets).squeeze(1)  # (N,)
-        ctx.save_for_backward(logits, targets, labelled)
-        ctx.log_probs = log_probs  # an intermediate that backward consumes
-        return torch.where(labelled, token_losses, 0.0).sum()
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # subtle: cross_entropy's backward fills a dense (N, V) gradient of the NLL with zeros, then writes a
-        # fresh (N, V) gradient from it and the saved log-probabilities. Here those log-probabilities, which
-        # nothing else holds, become the gradient in place. At N = 1024 target tokens and V = 8192 each such
-        # buffer is 32 MiB, memory the allocator maps afresh, page by page, at every step. A second backward
-        # (through a retained graph) finds the buffer taken and recomputes it.
-        logits, targets, labelled = ctx.saved_tensors
-        log_probs, ctx.log_probs = ctx.log_probs, None
-        grad = (log_probs if log_probs is not None else torch.log_softmax(logits, dim=-1)).exp_()  # softmax(z)
-        grad.scatter_add_(1, targets, torch.full(targets.shape, -1.0, dtype=grad.dtype, device=grad.device))
-        return grad.mul_((grad_loss * labelled).unsqueeze(1)), None  # (softmax - onehot) dL, 0 where ignored
-
-
 class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin):
     """p(y_t | y_<t, x) = softmax(Decoder(y_<t, Encoder(x)) W_E^T): the translation model (§3.4 ties W_E)."""
 
@@ -404,7 +374,9 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
         if labels is not None:
             # subtle: not self.loss_function, which would pick the causal-LM loss for this class name and
             # shift the labels a second time. Labels and logits are already aligned.
-            token_losses = SummedCrossEntropy.apply(logits.float().flatten(0, 1), labels.to(logits.device).flatten())
+            token_losses = nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), labels.to(logits.device).flatten(), ignore_index=-100, reduction="sum"
+            )
             count = num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum()
             loss = token_losses / count
         return Seq2SeqLMOutput(

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, EncoderDecoderCache,
 
 from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from deriv_lm.modeling_deriv.modeling_deriv import CACHE_NAME
-from deriv_lm.modeling_deriv.modeling_deriv_seq2seq import SummedCrossEntropy, shift_tokens_right
+from deriv_lm.modeling_deriv.modeling_deriv_seq2seq import shift_tokens_right
 from deriv_lm.modeling_deriv.pipeline_deriv import TASK, DerivTranslationPipeline
 from deriv_lm.training.args import TRANSLATION_PRESETS, TranslationTrainingArguments
 
@@ -101,25 +101,6 @@ def test_loss_ignores_padding():
     # num_items_in_batch counts real target tokens; the second row adds its 5 to the sum, not padding
     second = torch.nn.functional.cross_entropy(out.logits[1], padded_labels[1], reduction="sum") / 3
     torch.testing.assert_close(out.loss, both + second)
-
-
-def test_loss_and_its_gradients_are_cross_entropys():
-    """The loss's own backward (the log-probabilities turned into the gradient in place) gives what
-    cross_entropy's gives, for every parameter, with ignored labels; a second backward the same again."""
-    model = make_seq2seq().train()
-    labels = torch.randint(3, 300, (3, 6), generator=torch.Generator().manual_seed(2))
-    labels[0, 4:] = -100
-    out = model(**sources(), labels=labels)
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = torch.autograd.grad(out.loss, params, retain_graph=True)
-    again = torch.autograd.grad(out.loss, params, retain_graph=True)
-    reference = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-    torch.testing.assert_close(out.loss, reference)
-    for ours, twice, theirs in zip(fused, again, torch.autograd.grad(reference, params), strict=True):
-        torch.testing.assert_close(ours, theirs)
-        assert torch.equal(ours, twice)
-    z = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda z: SummedCrossEntropy.apply(z, torch.tensor([1, -100, 6, 0, 3])), (z,))
 
 
 def test_left_and_right_padded_sources_translate_the_same():
