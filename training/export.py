@@ -23,7 +23,6 @@ from ..hub_card.record import (
 )
 from ..tokenization.bpe import make_portable
 from ..tokenization.files import atomic_directory
-
 from ..viz.pictures import plot_losses
 
 
