@@ -312,8 +312,8 @@ class DerivPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module):
         r"""Linear layers N(0, 0.02^2) with zero bias, LayerNorm (1, 0), the sinusoid recomputed, the token
         embedding E N(0, 1/d) (so sqrt(d) E[x] has unit variance, like the sinusoid), and the gain of the
-        LayerNorm that feeds the output projection set to g = ln V / (2 sqrt(2d / 3)), so that the first
-        loss is ln V, a uniform guess.
+        LayerNorm that feeds the output projection set to g = min(1/2, ln V / sqrt(d)), so that the first loss
+        is near ln V, a uniform guess.
 
         Why: E is also the output projection. Each sub-layer adds a few percent to the variance of its input
         at init (two N(0, 0.02^2) maps in series), so the last hidden state is about h = g LayerNorm(x_0),
@@ -322,11 +322,12 @@ class DerivPreTrainedModel(PreTrainedModel):
             z_t = g sqrt(d) |e_t|^2 / sigma = g sqrt(2d / 3)
         so the loss on a next token y != t is about ln V + g^2 / 2 + ln(1 + e^(z_t) / V). With g = 1,
         z_t = sqrt(2d / 3) is 13 at d = 256: the model bets e^13 to one that each token repeats itself and
-        starts at 13 nats where ln 4096 = 8.3. The gain above makes z_t = ln(V) / 2, so the first loss is
-        ln V + g^2 / 2 + ln(1 + V^-1/2): 0.07 nats above ln 4096 for the tiny preset (g = 0.32), at any width.
+        starts at 13 nats where ln 4096 = 8.3. With the gain above z_t <= sqrt(2/3) ln V and g <= 1/2, so the
+        first loss is at most about 0.44 nats above ln V for V >= 256 at any width (0.28 for the tiny preset).
         Shrinking E instead (GPT-2's 0.02, or d^-3/4) also silences the token against the sinusoid at the
-        input, and the first hundreds of steps pay for it (docs/results.md); the gain is a parameter the
-        model learns, so nothing is fixed for good, and it needs no config field that old folders lack.
+        input, and the first hundreds of steps pay for it; a gain of 1/4 reaches ln V too but learns slower
+        (docs/results.md). The gain is a parameter the model learns from there, and needs no config field
+        that old folders lack.
         """
         super()._init_weights(module)  # linear N(0, initializer_range) with zero bias, LayerNorm (1, 0)
         # subtle: init.* skips tensors from_pretrained has loaded, so exported folders (whatever init they were
@@ -337,7 +338,7 @@ class DerivPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
         elif getattr(module, "feeds_output_projection", False):
             d, vocab = self.config.hidden_size, self.config.vocab_size
-            init.constant_(module.weight, min(1.0, math.log(vocab) / (2 * math.sqrt(2 * d / 3))))
+            init.constant_(module.weight, min(0.5, math.log(vocab) / math.sqrt(d)))
 
 
 def mark_output_norm(layers: nn.ModuleList, norm: nn.Module, pre_norm: bool) -> None:

@@ -231,7 +231,8 @@ def overfit(model, steps=60, lr=3e-3):
 
 @pytest.mark.parametrize("variant", [{}, {"pre_norm": True}])
 def test_tiny_model_overfits_one_batch(variant):
-    first, last = overfit(make_model(**variant))
+    # 80 steps: the logits start at the output LayerNorm's smaller gain, and grow first
+    first, last = overfit(make_model(**variant), steps=80)
     assert first > 4.0 and last < 0.5, (first, last)
 
 
