@@ -72,6 +72,8 @@ class DerivConfig(PreTrainedConfig):
     # False: the paper's post-LN, LayerNorm(x + Sublayer(x)). True: pre-LN, x + Sublayer(LayerNorm(x))
     # plus a final LayerNorm (Xiong et al. 2020), which trains deeper stacks without warmup tricks.
     pre_norm: bool = False
+    # True: the paper's x_0 = sqrt(d) E[x] + PE (§3.4). False: E[x] + PE, as GPT-2 (`deriv import` loads its weights).
+    scale_embedding: bool = True
     dropout: float = 0.1  # P_drop on each sub-layer output and on embeddings + positions (§5.4)
     attention_dropout: float = 0.0  # on the attention probabilities
     layer_norm_eps: float = 1e-5

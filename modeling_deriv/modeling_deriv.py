@@ -11,6 +11,8 @@ Where the code departs from the 2017 paper, on purpose:
   (Xiong et al. 2020); the default is the paper's post-LN.
 - `hidden_act="gelu"` replaces the ReLU of the feed-forward network if asked for.
 - `position_embedding_type="learned"` replaces the sinusoid with a trained table (GPT-2).
+- `scale_embedding=False` drops the sqrt(d_model) on the token embedding (GPT-2). With `pre_norm=True`,
+  `hidden_act="gelu_new"` and learned positions, that is GPT-2, whose weights `deriv import` loads.
 - Initialisation (the paper gives none): linear layers N(0, 0.02^2), token embedding N(0, 1/d_model) so that
   the sqrt(d_model)-scaled embedding has unit variance like the sinusoid, and the LayerNorm that feeds the tied
   output projection starts with a gain below 1, so that an untrained model starts at the loss of a uniform
@@ -104,14 +106,15 @@ def position_embedding(config) -> nn.Module:
 class DerivScaledWordEmbedding(nn.Embedding):
     """Token embedding multiplied by sqrt(d_model) (§3.4), the factor that puts an embedding of unit-norm rows
     on the scale of the sinusoid (the table starts smaller: see `DerivPreTrainedModel._init_weights`).
+    `scale=False` leaves the rows as they are, as GPT-2 does (`DerivConfig.scale_embedding`).
 
     The scale lives in the embedding, not in the model, so `inputs_embeds` passed by a caller are in
     the same space as those computed from ids, and the tied output projection uses the unscaled table.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: bool = True):
         super().__init__(num_embeddings, embedding_dim)
-        self.embed_scale = math.sqrt(embedding_dim)
+        self.embed_scale = math.sqrt(embedding_dim) if scale else 1.0
 
     def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
         return super().forward(input_ids) * self.embed_scale
@@ -335,7 +338,10 @@ class DerivPreTrainedModel(PreTrainedModel):
         if isinstance(module, DerivSinusoidalPositionalEmbedding):
             init.copy_(module.weight, sinusoidal_table(module.num_positions, module.embedding_dim))
         elif isinstance(module, DerivScaledWordEmbedding):
-            init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
+            # unscaled (GPT-2's layout), the table is the input itself and starts as GPT-2's does
+            scaled = module.embed_scale != 1.0
+            std = module.embedding_dim**-0.5 if scaled else self.config.initializer_range
+            init.normal_(module.weight, mean=0.0, std=std)
         elif getattr(module, "feeds_output_projection", False):
             d, vocab = self.config.hidden_size, self.config.vocab_size
             init.constant_(module.weight, min(0.5, math.log(vocab) / math.sqrt(d)))
@@ -385,7 +391,7 @@ class DerivModel(DerivPreTrainedModel):
 
     def __init__(self, config: DerivConfig):
         super().__init__(config)
-        self.embed_tokens = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
         self.embed_positions = position_embedding(config)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([DerivDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
@@ -423,7 +429,7 @@ class DerivModel(DerivPreTrainedModel):
         if cache is None or isinstance(cache, Cache):
             check_mask(attention_mask, tokens.shape[0], past_seen + tokens.shape[1])
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d)
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d) (or not: GPT-2)
 
         # M: causal (and padding) mask in the form the chosen attention kernel wants, or None
         # when the kernel's own is_causal path is exact. (The cache goes fourth, where it stands under

@@ -7,7 +7,7 @@ import pytest
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ROOMS = ["modeling_deriv", "tokenization", "training", "hub_card", "viz", "bench", "deriv_lm"]
+ROOMS = ["modeling_deriv", "tokenization", "training", "hub_card", "viz", "bench", "convert", "deriv_lm"]
 
 
 def sources(*rooms: str):

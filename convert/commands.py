@@ -1,0 +1,42 @@
+"""`deriv import` and `deriv export`: the command-line side of the convert room."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_import_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv import SOURCE --out FOLDER`."""
+    parser.description = (
+        "Load a native checkpoint (GPT2LMHeadModel: a local folder, or a Hub id such as gpt2 when online) with "
+        "transformers' own classes and write it as a Deriv folder with the same weights, tokenizer and "
+        "generation config."
+    )
+    parser.add_argument("source", help="a model folder or Hub id")
+    parser.add_argument("--out", required=True, help="the Deriv folder to write (must not exist yet)")
+    parser.set_defaults(func=run_import)
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv export FOLDER --to gpt2 --out DIR`."""
+    parser.description = "Write a Deriv folder as its native twin, loadable without trust_remote_code."
+    parser.add_argument("folder", help="a Deriv model folder")
+    parser.add_argument("--to", required=True, choices=["gpt2"], help="the native architecture")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
+    parser.set_defaults(func=run_export)
+
+
+def run_import(ns: argparse.Namespace) -> int:
+    from .folders import import_model
+
+    out = import_model(ns.source, ns.out)  # bad input becomes one `deriv: error:` line in cli.main
+    print(f"imported {ns.source} -> {out}")
+    return 0
+
+
+def run_export(ns: argparse.Namespace) -> int:
+    from .folders import export_model
+
+    out = export_model(ns.folder, ns.to, ns.out)
+    print(f"exported {ns.folder} -> {out} ({ns.to})")
+    return 0

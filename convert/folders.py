@@ -1,0 +1,93 @@
+"""Folders in, folders out: a native checkpoint imported as a Deriv folder, a Deriv folder exported as native.
+
+Each direction loads with the library's own classes (never `trust_remote_code`), maps the weights through the
+tables in `gpt2.py`, checks that every tensor found a place, and writes the new folder beside its target and
+renames it in whole, with the source's tokenizer and generation config carried over unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..modeling_deriv import DerivForCausalLM
+from ..tokenization.files import atomic_directory
+from . import gpt2
+
+
+def _refuse_existing(out: str | os.PathLike) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"{out} already exists and is not empty; choose a new --out folder.")
+
+
+def _load_exact(model: torch.nn.Module, state: dict[str, torch.Tensor], tied: set[str]) -> None:
+    """Load `state` into `model`, and fail naming the tensors that found no place (or no value)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"The weights do not map onto the model: missing {missing}, unexpected {unexpected}.")
+    model.tie_weights()
+
+
+def _carry_tokenizer_and_generation(source: str, target_dir: str, model) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        AutoTokenizer.from_pretrained(source).save_pretrained(target_dir)
+    except (OSError, ValueError) as error:
+        raise FileNotFoundError(f"{source} has no tokenizer that transformers can load: {error}") from error
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:  # no generation_config.json: the defaults that the model config implies
+        model.generation_config = GenerationConfig.from_model_config(model.config)
+
+
+def import_gpt2(source: str, out: str | os.PathLike) -> str:
+    """A `GPT2LMHeadModel` checkpoint (a folder, or a Hub id when online) as a `DerivForCausalLM` folder."""
+    from transformers import GPT2LMHeadModel
+
+    _refuse_existing(out)
+    native = GPT2LMHeadModel.from_pretrained(source).eval()
+    config = gpt2.deriv_config(native.config)
+    model = DerivForCausalLM(config).eval()
+    _load_exact(model, gpt2.to_deriv(native.state_dict(), config.num_hidden_layers), {"lm_head.weight"})
+    with atomic_directory(out) as tmp:
+        _carry_tokenizer_and_generation(source, tmp, model)
+        model.save_pretrained(tmp)
+    return str(out)
+
+
+def export_gpt2(folder: str | os.PathLike, out: str | os.PathLike) -> str:
+    """A Deriv decoder folder with GPT-2's switches as a `GPT2LMHeadModel` folder (no Deriv code in it)."""
+    from transformers import GPT2LMHeadModel
+
+    _refuse_existing(out)
+    model = DerivForCausalLM.from_pretrained(folder).eval()
+    config = gpt2.gpt2_config(model.config)
+    native = GPT2LMHeadModel(config).eval()
+    _load_exact(native, gpt2.to_gpt2(model.state_dict(), config.n_layer), set())
+    with atomic_directory(out) as tmp:
+        _carry_tokenizer_and_generation(str(folder), tmp, native)
+        native.save_pretrained(tmp)
+    return str(out)
+
+
+IMPORTERS = {"gpt2": import_gpt2}
+EXPORTERS = {"gpt2": export_gpt2}
+
+
+def import_model(source: str, out: str | os.PathLike) -> str:
+    """Import whatever `source`'s config.json names, if Deriv knows that architecture."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(source).model_type
+    if model_type not in IMPORTERS:
+        raise ValueError(f"{source} is a {model_type!r} model; deriv import reads {sorted(IMPORTERS)}.")
+    return IMPORTERS[model_type](source, out)
+
+
+def export_model(folder: str | os.PathLike, to: str, out: str | os.PathLike) -> str:
+    if to not in EXPORTERS:
+        raise ValueError(f"--to {to!r}: deriv export writes {sorted(EXPORTERS)}.")
+    return EXPORTERS[to](folder, out)

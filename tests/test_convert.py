@@ -1,0 +1,245 @@
+"""`deriv import` / `deriv export` for GPT-2: the same network under two sets of names, so the same logits and
+the same generated tokens; checked on a tiny GPT-2 built here with random, non-trivial weights (no network)."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import TINY, cli_error, make_model
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from deriv_lm import DerivForCausalLM
+from deriv_lm.convert import export_model, import_model
+from deriv_lm.hub_card.check import check_folder
+
+
+def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter redrawn: LayerNorm gains and every bias away from (1, 0), so no tensor can be dropped or
+    swapped without changing the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=g) * 0.2 + (1.0 if parameter.dim() == 1 else 0.0))
+    return model.eval()
+
+
+@pytest.fixture
+def gpt2_folder(tmp_path, tiny_tokenizer):
+    config = GPT2Config(
+        vocab_size=len(tiny_tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=tiny_tokenizer.bos_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = perturbed(GPT2LMHeadModel(config))
+    folder = tmp_path / "gpt2-tiny"
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def ids(batch: int = 2, length: int = 12) -> torch.Tensor:
+    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def test_an_imported_gpt2_gives_the_same_logits(gpt2_folder, tmp_path):
+    source = GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()
+    out = import_model(str(gpt2_folder), tmp_path / "deriv")
+    model = DerivForCausalLM.from_pretrained(out).eval()
+    config = model.config
+    assert (config.pre_norm, config.position_embedding_type, config.scale_embedding) == (True, "learned", False)
+    assert config.hidden_act == "gelu_new"
+    x = ids()
+    with torch.no_grad():
+        expected, got = source(x).logits, model(x).logits
+    assert expected.abs().max() > 1  # the weights are not trivial: the logits are far from zero
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_an_imported_gpt2_generates_the_same_tokens_greedy_and_with_beams(gpt2_folder, tmp_path):
+    source = GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()
+    model = DerivForCausalLM.from_pretrained(import_model(str(gpt2_folder), tmp_path / "deriv")).eval()
+    x = ids(1, 5)
+    for options in (dict(do_sample=False), dict(do_sample=False, num_beams=3, num_return_sequences=3)):
+        kwargs = dict(max_new_tokens=20, min_new_tokens=20, pad_token_id=0, **options)
+        expected = source.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        got = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        assert torch.equal(got, expected), options
+
+
+def test_import_carries_the_tokenizer_and_writes_no_local_path(gpt2_folder, tmp_path, tiny_tokenizer):
+    from transformers import AutoTokenizer
+
+    out = import_model(str(gpt2_folder), tmp_path / "deriv")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    text = "the lazy fox attends"
+    assert tokenizer(text).input_ids == tiny_tokenizer(text).input_ids
+    for name in os.listdir(out):
+        if name.endswith(".json"):
+            content = open(os.path.join(out, name), encoding="utf-8").read()
+            assert str(tmp_path) not in content, name
+    assert json.loads(open(os.path.join(out, "config.json")).read())["model_type"] == "deriv"
+
+
+def test_export_then_import_is_exact_and_the_export_is_plain_gpt2(gpt2_folder, tmp_path):
+    first = DerivForCausalLM.from_pretrained(import_model(str(gpt2_folder), tmp_path / "a"))
+    exported = export_model(tmp_path / "a", "gpt2", tmp_path / "native")
+    assert not [f for f in os.listdir(exported) if f.endswith(".py")]  # no Deriv code rides along
+    native = GPT2LMHeadModel.from_pretrained(exported).eval()
+    again = DerivForCausalLM.from_pretrained(import_model(str(exported), tmp_path / "b"))
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(native(x).logits, first.eval()(x).logits, atol=1e-4, rtol=0)
+
+
+def test_the_imported_folder_passes_deriv_check_in_a_clean_process(gpt2_folder, tmp_path):
+    steps = check_folder(import_model(str(gpt2_folder), tmp_path / "deriv"))
+    assert [s["step"] for s in steps if not s["ok"]] == [], steps
+
+
+def test_the_papers_decoder_has_no_gpt2_twin_and_says_which_switches_differ(tmp_path):
+    make_model().save_pretrained(tmp_path / "paper")
+    with pytest.raises(ValueError, match="pre_norm=False.*position_embedding_type='sinusoidal'.*scale_embedding"):
+        export_model(tmp_path / "paper", "gpt2", tmp_path / "native")
+    assert not (tmp_path / "native").exists()
+
+
+def test_import_refuses_an_existing_folder_an_unknown_architecture_and_a_gpt2_option_it_lacks(
+    gpt2_folder, tmp_path, capsys
+):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    line = cli_error(["import", str(gpt2_folder), "--out", str(tmp_path / "full")], capsys)
+    assert "already exists" in line and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+    make_model().save_pretrained(tmp_path / "deriv-folder")
+    line = cli_error(["import", str(tmp_path / "deriv-folder"), "--out", str(tmp_path / "x")], capsys)
+    assert "'deriv' model" in line and "gpt2" in line
+
+    config = json.loads((gpt2_folder / "config.json").read_text())
+    (gpt2_folder / "config.json").write_text(json.dumps({**config, "scale_attn_by_inverse_layer_idx": True}))
+    line = cli_error(["import", str(gpt2_folder), "--out", str(tmp_path / "y")], capsys)
+    assert "scale_attn_by_inverse_layer_idx=True" in line
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_scaled_embedding_is_the_default_and_unscaled_leaves_the_rows_as_they_are():
+    scaled, plain = make_model(), make_model(scale_embedding=False)
+    plain.load_state_dict(scaled.state_dict())
+    x = ids(1, 4)
+    e = scaled.model.embed_tokens.weight[x]
+    torch.testing.assert_close(scaled.model.embed_tokens(x), e * TINY["hidden_size"] ** 0.5)
+    torch.testing.assert_close(plain.model.embed_tokens(x), e)
+
+
+@pytest.fixture
+def documents(tmp_path):
+    from deriv_lm.tokenization import default_corpus
+
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w") as f:
+        for i, doc in enumerate(default_corpus()):
+            if i >= 60:
+                break
+            f.write(json.dumps({"text": doc}) + "\n")
+    return path
+
+
+def fine_tune_args(tmp_path, documents, **overrides):
+    from deriv_lm.training import TrainingArguments
+
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        files=[str(documents)],
+        cache_dir=str(tmp_path / "cache"),
+        context_length=32,
+        batch_size=4,
+        max_steps=16,
+        warmup_steps=2,
+        learning_rate=3e-3,
+        eval_every=16,
+        eval_batches=2,
+        save_every=100,
+        samples=0,
+        progress=False,
+        num_proc=1,
+        dropout=0.0,
+    )
+    return TrainingArguments(**{**values, **overrides})
+
+
+def loss_on(model, tokenizer, text: str) -> float:
+    x = torch.tensor([tokenizer(text).input_ids[:32]])
+    with torch.no_grad():
+        return model.eval()(x, labels=x).loss.item()
+
+
+def test_fine_tuning_an_imported_gpt2_starts_from_its_weights_and_lowers_its_loss(gpt2_folder, tmp_path, documents):
+    from transformers import AutoTokenizer
+
+    from deriv_lm.training import train_lm
+
+    imported = import_model(str(gpt2_folder), tmp_path / "imported")
+    before = DerivForCausalLM.from_pretrained(imported)
+    tokenizer = AutoTokenizer.from_pretrained(imported)
+    text = json.loads(documents.read_text().splitlines()[0])["text"]
+
+    # at a vanishing learning rate the run exports the weights it started from
+    still = train_lm(
+        fine_tune_args(
+            tmp_path,
+            documents,
+            output_dir=str(tmp_path / "still"),
+            init_from=imported,
+            learning_rate=1e-12,
+            max_steps=2,
+        )
+    )
+    unchanged = DerivForCausalLM.from_pretrained(still)
+    for name, tensor in before.state_dict().items():
+        torch.testing.assert_close(unchanged.state_dict()[name], tensor, atol=1e-6, rtol=0)
+
+    run = train_lm(fine_tune_args(tmp_path, documents, init_from=imported))
+    after = DerivForCausalLM.from_pretrained(run)
+    assert after.config.to_diff_dict() | {"dropout": 0.0} == before.config.to_diff_dict() | {"dropout": 0.0}
+    assert AutoTokenizer.from_pretrained(run)(text).input_ids == tokenizer(text).input_ids
+    assert loss_on(after, tokenizer, text) < loss_on(before, tokenizer, text) - 0.5
+    text_of_record = (tmp_path / "run" / "run.json").read_text()
+    assert json.loads(text_of_record)["base_model"] == "imported"  # the folder's name, not the path it had here
+    assert str(tmp_path) not in text_of_record
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "base_model: imported" in card and "from-scratch" not in card
+
+
+def test_init_from_refuses_a_translation_folder_and_a_second_tokenizer(tmp_path, documents, tiny_tokenizer):
+    from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
+    from deriv_lm.training import train_lm
+
+    seq2seq = DerivForConditionalGeneration(
+        DerivSeq2SeqConfig(
+            vocab_size=300,
+            hidden_size=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            intermediate_size=64,
+        )
+    )
+    seq2seq.save_pretrained(tmp_path / "translator")
+    make_model().save_pretrained(tmp_path / "lm")
+    for folder in ("translator", "lm"):
+        tiny_tokenizer.save_pretrained(tmp_path / folder)
+    with pytest.raises(ValueError, match="holds a 'deriv_seq2seq' model; this task trains 'deriv' models"):
+        train_lm(fine_tune_args(tmp_path, documents, init_from=str(tmp_path / "translator")))
+    with pytest.raises(ValueError, match="--init-from brings its own tokenizer"):
+        train_lm(fine_tune_args(tmp_path, documents, init_from=str(tmp_path / "lm"), tokenizer=str(tmp_path / "lm")))
+    assert not (tmp_path / "run" / "model.safetensors").exists()
