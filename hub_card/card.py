@@ -112,8 +112,9 @@ def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardDa
         language=_languages(folder),
         license=license,
         datasets=[dataset] if dataset else None,
-        tags=["deriv", kind, "custom_code", "from-scratch"],
+        tags=["deriv", kind, "custom_code"] + ([] if run and run.base_model else ["from-scratch"]),
         eval_results=eval_results(folder) or None,
+        base_model=run.base_model if run else None,
     )
 
 

@@ -133,6 +133,11 @@ class ModelArguments(Checked):
     hidden_act: Literal["relu", "gelu", "gelu_new", "silu"] = arg("relu", "the feed-forward activation")
     pre_norm: bool = arg(False, "LayerNorm before each sublayer (GPT-2) instead of after it (the paper)")
     dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
+    init_from: str | None = arg(
+        None,
+        "a Deriv model folder to start from (one trained here, or written by `deriv import`): its weights, "
+        "architecture and tokenizer; the shape flags above are then not used",
+    )
 
     def check(self) -> None:
         from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS

@@ -4,7 +4,7 @@ trainer = Trainer(args)                 accelerator, run lock, seeds
 task.load()                             read and split the data (nothing is trained on it before)
 tokenizer = the given one, or one trained on the training split only
 train, validation = task.datasets(tokenizer)
-model = task.build_model(tokenizer)
+model = task.start_model(tokenizer)     a new model, or the weights of --init-from
 trainer.train(model, task, train, validation)     the loop, checkpoints, resume, evaluation
 gather the weights; generation defaults; final metrics; run record; export; card; samples
 """
@@ -31,7 +31,9 @@ def run(args, task, cpu: bool = False) -> str:
     tokenizer = load_or_train_tokenizer(args, task.tokenizer_texts, accelerator)
     with accelerator.main_process_first():
         train_dataset, eval_dataset = task.datasets(tokenizer)
-    model = task.build_model(tokenizer)
+    model = task.start_model(tokenizer)
+    if args.init_from:
+        accelerator.print(f"starting from the weights in {args.init_from}")
     n_params = sum(p.numel() for p in model.parameters())
     accelerator.print(
         f"model: {n_params / 1e6:.2f} M parameters; {len(train_dataset)} training and {len(eval_dataset)} "
@@ -48,15 +50,18 @@ def run(args, task, cpu: bool = False) -> str:
 
 
 def load_or_train_tokenizer(args, texts, accelerator):
-    """An existing tokenizer (--tokenizer, or the one an earlier run of this output_dir trained), or a new one
-    trained on `texts()`: the training split only, so validation and test text is never seen by it."""
+    """An existing tokenizer (--init-from's, --tokenizer, or the one an earlier run of this output_dir trained), or
+    a new one trained on `texts()`: the training split only, so validation and test text is never seen by it."""
     from transformers import AutoTokenizer
 
-    folder = args.tokenizer or os.path.join(args.output_dir, "tokenizer")
+    if args.init_from and args.tokenizer:
+        raise ValueError("--init-from brings its own tokenizer; leave out --tokenizer (or --init-from).")
+    given = args.init_from or args.tokenizer
+    folder = given or os.path.join(args.output_dir, "tokenizer")
     with accelerator.main_process_first():  # one process trains and saves; the others then load
         if not os.path.exists(os.path.join(folder, "tokenizer.json")):
-            if args.tokenizer:
-                raise FileNotFoundError(f"No tokenizer.json in {args.tokenizer}")
+            if given:
+                raise FileNotFoundError(f"No tokenizer.json in {given}")
             progress = args.progress and accelerator.is_main_process
             tokenizer, summary = train_bpe(texts(), args.vocab_size, special_tokens_with(), progress=progress)
             save_tokenizer(tokenizer, folder, model_max_length=args.context_length)

@@ -105,6 +105,7 @@ def run_record(task, args, data: dict, tokenizer, chars_per_token, model, state,
             "tokenizers": tokenizers.__version__,
         },
         metrics=MetricsRecord(**metrics),
+        base_model=args.init_from,  # made portable below, as every path in the record is
     )
     return without_local_paths(record.to_dict(), args.output_dir)
 

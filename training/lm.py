@@ -29,6 +29,7 @@ class LanguageModelTask(Task):
     name = "causal-lm"
     unit = "blocks"
     token_kind = "tokens"
+    model_class = DerivForCausalLM
 
     def __init__(self, args):
         super().__init__(args)

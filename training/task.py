@@ -6,7 +6,7 @@ the two today. The driver calls, in order:
     task.load()                           read the source and split it (before anything is trained on it)
     task.tokenizer_texts()                the training split's texts, for a new tokenizer
     task.datasets(tokenizer)              (train, validation) datasets, tokenized with `datasets.map`
-    task.build_model(tokenizer)           the model, its vocabulary the tokenizer's
+    task.start_model(tokenizer)           a new model (`build_model`), or the --init-from folder's
     task.collator, task.sampler(...)      how the loader makes batches
     task.count_targets(batch)             target tokens in a batch (what the loss averages over)
     task.compute_loss(model, batch, n)    the training loss
@@ -27,6 +27,7 @@ class Task:
     """The defaults suit a task whose model computes its own loss from `labels`."""
 
     name = "task"  # the run record's `task`
+    model_class = None  # the PreTrainedModel an --init-from folder must hold
     pipeline_class = None  # a Pipeline the exported folder carries, for `pipeline(model=folder)`
     eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
 
@@ -45,7 +46,38 @@ class Task:
         raise NotImplementedError
 
     def build_model(self, tokenizer) -> torch.nn.Module:
+        """A new model of the shape the arguments give, its vocabulary the tokenizer's."""
         raise NotImplementedError
+
+    def adopt(self, model, tokenizer) -> torch.nn.Module:
+        """What the task sets up once its model exists (new or loaded), such as a collator that needs it."""
+        return model
+
+    def start_model(self, tokenizer) -> torch.nn.Module:
+        """The model training starts from: a new one, or the weights and architecture of --init-from."""
+        folder = self.args.init_from
+        if not folder:
+            return self.adopt(self.build_model(tokenizer), tokenizer)
+        from transformers import AutoConfig
+
+        expected = self.model_class.config_class.model_type
+        found = AutoConfig.from_pretrained(folder).model_type  # Deriv's types are registered: no remote code
+        if found != expected:
+            raise ValueError(f"--init-from {folder} holds a {found!r} model; this task trains {expected!r} models.")
+        model = self.model_class.from_pretrained(folder)
+        model.config.dropout = self.args.dropout  # the one model setting a run chooses (read at forward time)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = self.args.dropout
+        positions = model.config.max_position_embeddings
+        if self.args.context_length > positions:
+            raise ValueError(
+                f"--context-length {self.args.context_length} is longer than the {positions} positions the model "
+                f"in {folder} has; pass --context-length {positions} or less."
+            )
+        if len(tokenizer) > model.config.vocab_size:
+            raise ValueError(f"{folder}'s tokenizer has {len(tokenizer)} ids, its model {model.config.vocab_size}.")
+        return self.adopt(model, tokenizer)
 
     def sampler(self, dataset, seed: int):
         """The order of the training examples; None: a seeded shuffle (the loader's)."""

@@ -98,6 +98,7 @@ class TranslationTask(Task):
     unit = "pairs"
     token_kind = "target tokens"
     pipeline_class = DerivTranslationPipeline
+    model_class = DerivForConditionalGeneration
 
     def load(self) -> None:
         self.corpus = pair_corpus(self.args)
@@ -153,8 +154,10 @@ class TranslationTask(Task):
             eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=tokenizer.bos_token_id,
         )
-        model = DerivForConditionalGeneration(config)
-        self.collator = seq2seq_collator(tokenizer, model)
+        return DerivForConditionalGeneration(config)
+
+    def adopt(self, model, tokenizer) -> DerivForConditionalGeneration:
+        self.collator = seq2seq_collator(tokenizer, model)  # it shifts labels with the model's own method
         return model
 
     def sampler(self, dataset, seed: int):
