@@ -8,7 +8,8 @@ import argparse
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     """`deriv import SOURCE --out FOLDER`."""
     parser.description = (
-        "Load a native checkpoint (GPT2LMHeadModel: a local folder, or a Hub id such as gpt2 when online) with "
+        "Load a native checkpoint (GPT2LMHeadModel or MarianMTModel: a local folder, or a Hub id such as gpt2 or "
+        "Helsinki-NLP/opus-mt-en-de when online) with "
         "transformers' own classes and write it as a Deriv folder with the same weights, tokenizer and "
         "generation config."
     )
@@ -18,10 +19,10 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """`deriv export FOLDER --to gpt2 --out DIR`."""
+    """`deriv export FOLDER --to gpt2|marian --out DIR`."""
     parser.description = "Write a Deriv folder as its native twin, loadable without trust_remote_code."
     parser.add_argument("folder", help="a Deriv model folder")
-    parser.add_argument("--to", required=True, choices=["gpt2"], help="the native architecture")
+    parser.add_argument("--to", required=True, choices=["gpt2", "marian"], help="the native architecture")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
     parser.set_defaults(func=run_export)
 

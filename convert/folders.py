@@ -1,8 +1,8 @@
 """Folders in, folders out: a native checkpoint imported as a Deriv folder, a Deriv folder exported as native.
 
 Each direction loads with the library's own classes (never `trust_remote_code`), maps the weights through the
-tables in `gpt2.py`, checks that every tensor found a place, and writes the new folder beside its target and
-renames it in whole, with the source's tokenizer and generation config carried over unchanged.
+tables in `gpt2.py` and `marian.py`, checks that every tensor found a place, and writes the new folder beside
+its target and renames it in whole, with the source's tokenizer and generation config carried over unchanged.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from ..modeling_deriv import DerivForCausalLM
+from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
 from ..tokenization.files import atomic_directory
-from . import gpt2
+from . import gpt2, marian
 
 
 def _refuse_existing(out: str | os.PathLike) -> None:
@@ -30,13 +30,16 @@ def _load_exact(model: torch.nn.Module, state: dict[str, torch.Tensor], tied: se
     model.tie_weights()
 
 
-def _carry_tokenizer_and_generation(source: str, target_dir: str, model) -> None:
+def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding_side: str | None = None) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
     try:
-        AutoTokenizer.from_pretrained(source).save_pretrained(target_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise FileNotFoundError(f"{source} has no tokenizer that transformers can load: {error}") from error
+    if padding_side:
+        tokenizer.padding_side = padding_side
+    tokenizer.save_pretrained(target_dir)
     try:
         model.generation_config = GenerationConfig.from_pretrained(source)
     except OSError:  # no generation_config.json: the defaults that the model config implies
@@ -73,8 +76,48 @@ def export_gpt2(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     return str(out)
 
 
-IMPORTERS = {"gpt2": import_gpt2}
-EXPORTERS = {"gpt2": export_gpt2}
+_DERIV_TIED = {"lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
+_MARIAN_TABLES = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
+
+
+def import_marian(source: str, out: str | os.PathLike) -> str:
+    """A `MarianMTModel` checkpoint (OPUS-MT's, or any with one shared vocabulary) as a Deriv encoder-decoder."""
+    from transformers import AutoTokenizer, MarianMTModel
+
+    from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
+
+    _refuse_existing(out)
+    native = MarianMTModel.from_pretrained(source).eval()
+    config = marian.deriv_config(native.config)
+    model = DerivForConditionalGeneration(config).eval()
+    _load_exact(model, marian.to_deriv(native.state_dict(), config), _DERIV_TIED)
+    with atomic_directory(out) as tmp:
+        _carry_tokenizer_and_generation(source, tmp, model)
+        # as a trained translation folder: the pipeline rides along (custom_pipelines and its code), so
+        # `pipeline(model=folder, trust_remote_code=True)` translates without this package
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        DerivTranslationPipeline(model=model, tokenizer=tokenizer).save_pretrained(tmp)
+    return str(out)
+
+
+def export_marian(folder: str | os.PathLike, out: str | os.PathLike) -> str:
+    """A Deriv encoder-decoder folder as a `MarianMTModel` folder (its sinusoid tables are Marian's own)."""
+    from transformers import MarianMTModel
+
+    _refuse_existing(out)
+    model = DerivForConditionalGeneration.from_pretrained(folder).eval()
+    native = MarianMTModel(marian.marian_config(model.config)).eval()
+    _load_exact(native, marian.to_marian(model.state_dict(), model.config), _MARIAN_TABLES)
+    with atomic_directory(out) as tmp:
+        # subtle: Marian numbers source positions from the first column, padding or not, while Deriv numbers
+        # them from each row's first real token; the two agree when sources are padded on the right only.
+        _carry_tokenizer_and_generation(str(folder), tmp, native, padding_side="right")
+        native.save_pretrained(tmp)
+    return str(out)
+
+
+IMPORTERS = {"gpt2": import_gpt2, "marian": import_marian}
+EXPORTERS = {"gpt2": export_gpt2, "marian": export_marian}
 
 
 def import_model(source: str, out: str | os.PathLike) -> str:

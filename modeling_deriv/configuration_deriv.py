@@ -143,6 +143,9 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
     max_position_embeddings: int = 256  # longest source, and longest target, the model accepts
     position_embedding_type: str = "sinusoidal"
     pre_norm: bool = False
+    scale_embedding: bool = True  # x_0 = sqrt(d) E[x] + PE, the paper's (§3.4) and OPUS-MT's; False: E[x] + PE
+    # True: logits = h E^T + b, a bias over the vocabulary (Marian's `final_logits_bias`); the paper has none.
+    output_bias: bool = False
     dropout: float = 0.1
     attention_dropout: float = 0.0
     layer_norm_eps: float = 1e-5

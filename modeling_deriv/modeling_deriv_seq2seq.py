@@ -8,6 +8,11 @@ The parts are the decoder-only model's (`modeling_deriv.py`): the scaled embeddi
 attention (with its cross-attention path), the feed-forward network and the residual + LayerNorm
 wrapper; this file only assembles them. One embedding matrix serves the encoder input, the decoder
 input and the output projection (§3.4), so source and target share one vocabulary.
+
+Two switches make it Marian's network too (OPUS-MT, which `deriv import` loads): `scale_embedding=False` drops
+the sqrt(d) (the paper and OPUS-MT keep it), and `output_bias=True` adds a bias over the vocabulary to the
+logits (Marian's `final_logits_bias`). Marian's sinusoid lists sines before cosines; the importer reorders the
+hidden basis instead of adding a third switch (`convert/marian.py`).
 """
 
 import torch
@@ -128,7 +133,7 @@ class DerivSeq2SeqStack(DerivSeq2SeqPreTrainedModel):
         self.embed_tokens = (
             embed_tokens
             if embed_tokens is not None
-            else DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
+            else DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
         )
         self.embed_positions = position_embedding(config)
         self.dropout = nn.Dropout(config.dropout)
@@ -244,7 +249,7 @@ class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
 
     def __init__(self, config: DerivSeq2SeqConfig):
         super().__init__(config)
-        self.shared = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size)
+        self.shared = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
         self.encoder = DerivEncoder(config, self.shared)
         self.decoder = DerivDecoder(config, self.shared)
         self.post_init()
@@ -308,7 +313,7 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
     def __init__(self, config: DerivSeq2SeqConfig):
         super().__init__(config)
         self.model = DerivSeq2SeqModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.output_bias)
         self.post_init()
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.LongTensor:

@@ -243,3 +243,127 @@ def test_init_from_refuses_a_translation_folder_and_a_second_tokenizer(tmp_path,
     with pytest.raises(ValueError, match="--init-from brings its own tokenizer"):
         train_lm(fine_tune_args(tmp_path, documents, init_from=str(tmp_path / "lm"), tokenizer=str(tmp_path / "lm")))
     assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+@pytest.fixture
+def marian_folder(tmp_path, tiny_tokenizer):
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=len(tiny_tokenizer),
+        decoder_vocab_size=len(tiny_tokenizer),
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        activation_function="swish",  # OPUS-MT's
+        scale_embedding=True,
+        max_position_embeddings=64,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        decoder_start_token_id=tiny_tokenizer.pad_token_id,  # Marian starts from <pad>
+        forced_eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = MarianMTModel(config).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every trained tensor redrawn; the sinusoid tables stay Marian's
+        for name, parameter in model.named_parameters():
+            if "embed_positions" not in name:
+                base = 1.0 if parameter.dim() == 1 and "layer_norm" in name else 0.0
+                parameter.copy_(torch.randn(parameter.shape, generator=g) * 0.2 + base)
+        model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=g))
+    folder = tmp_path / "marian-tiny"
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_two_sinusoid_layouts_are_one_reordering_of_the_hidden_basis():
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+
+    from deriv_lm.convert.marian import hidden_order
+    from deriv_lm.modeling_deriv.modeling_deriv import sinusoidal_table
+
+    marian = MarianSinusoidalPositionalEmbedding(50, 32).create_weight()  # sines in 0..15, cosines in 16..31
+    torch.testing.assert_close(marian[:, hidden_order(32)], sinusoidal_table(50, 32), atol=1e-6, rtol=0)
+
+
+def marian_pair(marian_folder, tmp_path):
+    from transformers import MarianMTModel
+
+    from deriv_lm import DerivForConditionalGeneration
+
+    source = MarianMTModel.from_pretrained(marian_folder).eval()
+    model = DerivForConditionalGeneration.from_pretrained(import_model(str(marian_folder), tmp_path / "deriv"))
+    return source, model.eval()
+
+
+def test_an_imported_marian_gives_the_same_logits(marian_folder, tmp_path):
+    source, model = marian_pair(marian_folder, tmp_path)
+    assert (model.config.hidden_act, model.config.output_bias, model.config.decoder_start_token_id) == (
+        "silu",
+        True,
+        0,
+    )
+    x, y = ids(2, 10), ids(2, 7)
+    mask = torch.ones_like(x)
+    mask[1, 7:] = 0  # a padded source
+    with torch.no_grad():
+        expected = source(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+        got = model(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+    assert expected.abs().max() > 1
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_an_imported_marian_translates_to_the_same_tokens_greedy_and_with_beams(marian_folder, tmp_path):
+    source, model = marian_pair(marian_folder, tmp_path)
+    x = ids(2, 6)
+    for options in (dict(num_beams=1), dict(num_beams=4, num_return_sequences=2)):
+        kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, **options)
+        expected = source.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        got = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        assert torch.equal(got, expected), options
+
+
+def test_marian_export_then_import_is_exact_and_the_export_is_plain_marian(marian_folder, tmp_path):
+    from transformers import AutoTokenizer, MarianMTModel
+
+    from deriv_lm import DerivForConditionalGeneration
+
+    first = DerivForConditionalGeneration.from_pretrained(import_model(str(marian_folder), tmp_path / "a")).eval()
+    exported = export_model(tmp_path / "a", "marian", tmp_path / "native")
+    assert not [f for f in os.listdir(exported) if f.endswith(".py")]
+    native = MarianMTModel.from_pretrained(exported).eval()
+    again = DerivForConditionalGeneration.from_pretrained(import_model(str(exported), tmp_path / "b"))
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    # Marian numbers source positions from column 0, so the exported tokenizer pads on the right (Deriv's, left)
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert AutoTokenizer.from_pretrained(tmp_path / "a").padding_side == "left" and tokenizer.padding_side == "right"
+    batch = tokenizer(["the quick fox", "a transformer attends to every token"], return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=8, num_beams=2, do_sample=False)
+    assert torch.equal(native.generate(**batch, **kwargs), first.generate(**batch, **kwargs))
+    x, y = ids(2, 8), ids(2, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            native(input_ids=x, decoder_input_ids=y).logits,
+            first(input_ids=x, decoder_input_ids=y).logits,
+            atol=1e-4,
+            rtol=0,
+        )
+
+
+def test_the_imported_marian_folder_passes_deriv_check(marian_folder, tmp_path):
+    steps = check_folder(import_model(str(marian_folder), tmp_path / "deriv"))
+    assert [s["step"] for s in steps if not s["ok"]] == [], steps
+
+
+def test_marian_with_two_vocabularies_is_refused(marian_folder, tmp_path, capsys):
+    config = json.loads((marian_folder / "config.json").read_text())
+    (marian_folder / "config.json").write_text(json.dumps({**config, "share_encoder_decoder_embeddings": False}))
+    line = cli_error(["import", str(marian_folder), "--out", str(tmp_path / "x")], capsys)
+    assert "separate source and target vocabularies" in line and not (tmp_path / "x").exists()
