@@ -19,10 +19,13 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """`deriv export FOLDER --to gpt2|marian --out DIR`."""
-    parser.description = "Write a Deriv folder as its native twin, loadable without trust_remote_code."
+    """`deriv export FOLDER --to gpt2|marian|onnx --out DIR`."""
+    parser.description = (
+        "Write a Deriv folder as its native twin (gpt2, marian), loadable without trust_remote_code, or a "
+        "GPT-2-shaped one as an ONNX graph for ONNX Runtime (onnx; needs the onnx extra)."
+    )
     parser.add_argument("folder", help="a Deriv model folder")
-    parser.add_argument("--to", required=True, choices=["gpt2", "marian"], help="the native architecture")
+    parser.add_argument("--to", required=True, choices=["gpt2", "marian", "onnx"], help="the native architecture")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
     parser.set_defaults(func=run_export)
 

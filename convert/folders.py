@@ -131,6 +131,10 @@ def import_model(source: str, out: str | os.PathLike) -> str:
 
 
 def export_model(folder: str | os.PathLike, to: str, out: str | os.PathLike) -> str:
+    if to == "onnx":
+        from .onnx import export_onnx
+
+        return export_onnx(folder, out)
     if to not in EXPORTERS:
-        raise ValueError(f"--to {to!r}: deriv export writes {sorted(EXPORTERS)}.")
+        raise ValueError(f"--to {to!r}: deriv export writes {sorted(EXPORTERS) + ['onnx']}.")
     return EXPORTERS[to](folder, out)

@@ -367,3 +367,24 @@ def test_marian_with_two_vocabularies_is_refused(marian_folder, tmp_path, capsys
     (marian_folder / "config.json").write_text(json.dumps({**config, "share_encoder_decoder_embeddings": False}))
     line = cli_error(["import", str(marian_folder), "--out", str(tmp_path / "x")], capsys)
     assert "separate source and target vocabularies" in line and not (tmp_path / "x").exists()
+
+
+def test_an_exported_gpt2_runs_in_onnx_runtime_with_the_same_logits_and_greedy_tokens(gpt2_folder, tmp_path):
+    pytest.importorskip("onnxscript", reason="the onnx extra is not installed (pip install 'deriv-lm[onnx]')")
+    ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip install 'deriv-lm[onnx]')")
+    from deriv_lm.convert.onnx import greedy
+
+    deriv_folder = import_model(str(gpt2_folder), tmp_path / "deriv")
+    out = export_model(deriv_folder, "onnx", tmp_path / "onnx")
+    written = {f for f in os.listdir(out) if not f.startswith("tokenizer")}
+    assert {"config.json", "model.onnx"} <= written <= {"config.json", "model.onnx", "model.onnx.data"}
+    session = ort.InferenceSession(os.path.join(out, "model.onnx"), providers=["CPUExecutionProvider"])
+    model = DerivForCausalLM.from_pretrained(deriv_folder).eval()
+    x = ids(3, 17)  # another shape than the one the graph was traced at
+    got = session.run(["logits"], {"input_ids": x.numpy(), "attention_mask": torch.ones_like(x).numpy()})[0]
+    with torch.no_grad():
+        expected = model(x).logits
+    torch.testing.assert_close(torch.from_numpy(got), expected, atol=1e-4, rtol=0)
+    prompt = ids(2, 5)
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert greedy(session, prompt.numpy(), 10).tolist() == reference.tolist()

@@ -1,0 +1,92 @@
+"""One runtime beyond transformers: a GPT-2-shaped model as an ONNX graph, run in ONNX Runtime.
+
+`deriv export FOLDER --to onnx --out DIR` takes a Deriv folder with GPT-2's switches (or a native GPT-2 folder),
+builds the native `GPT2LMHeadModel` (through `gpt2.py`'s table), and writes `DIR/model.onnx` with torch's
+exporter: inputs `input_ids` and `attention_mask` (batch x sequence, both dynamic), output `logits`. The
+tokenizer and GPT-2's config go beside it. The graph has no KV cache: each step reads the whole sequence, which
+keeps it one plain graph that any ONNX runtime runs. `greedy` below decodes with it in ONNX Runtime.
+
+Needs the `onnx` extra (`pip install deriv-lm[onnx]`: onnx, onnxscript, onnxruntime).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from ..modeling_deriv import DerivForCausalLM
+from ..tokenization.files import atomic_directory
+from . import gpt2
+
+
+class _Logits(torch.nn.Module):
+    """The graph's signature: (input_ids, attention_mask) -> logits, no cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def native_gpt2(folder: str | os.PathLike):
+    """The `GPT2LMHeadModel` a folder holds: itself (a GPT-2 folder) or its twin (a Deriv one)."""
+    from transformers import AutoConfig, GPT2LMHeadModel
+
+    kind = AutoConfig.from_pretrained(folder).model_type
+    if kind == "gpt2":
+        return GPT2LMHeadModel.from_pretrained(folder).eval()
+    if kind != "deriv":
+        raise ValueError(f"{folder} is a {kind!r} model; --to onnx takes a GPT-2-shaped decoder (deriv or gpt2).")
+    model = DerivForCausalLM.from_pretrained(folder).eval()
+    config = gpt2.gpt2_config(model.config)  # says which switches differ, where there is no twin
+    native = GPT2LMHeadModel(config).eval()
+    missing, unexpected = native.load_state_dict(gpt2.to_gpt2(model.state_dict(), config.n_layer), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"The weights do not map onto GPT-2: missing {missing}, unexpected {unexpected}.")
+    return native
+
+
+def export_onnx(folder: str | os.PathLike, out: str | os.PathLike) -> str:
+    from transformers import AutoTokenizer
+
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"{out} already exists and is not empty; choose a new --out folder.")
+    try:
+        import onnxscript  # noqa: F401  (torch's exporter needs it)
+    except ImportError as error:
+        raise ImportError("deriv export --to onnx needs the onnx extra: pip install 'deriv-lm[onnx]'") from error
+    native = native_gpt2(folder)
+    example = torch.ones(1, 8, dtype=torch.long)
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence", max=native.config.n_positions)
+    with atomic_directory(out) as tmp, warnings.catch_warnings():
+        # torch's exporter trips over a deprecation inside torch itself (torch 2.13); nothing the user can act on
+        warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)
+        # the same Dim object on both inputs is the point: ids and mask share their shape
+        warnings.filterwarnings("ignore", message=r".*The axis name: \w+ will not be used", category=UserWarning)
+        torch.onnx.export(
+            _Logits(native).eval(),
+            (example, torch.ones_like(example)),
+            os.path.join(tmp, "model.onnx"),
+            input_names=["input_ids", "attention_mask"],
+            output_names=["logits"],
+            dynamic_shapes={"input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}},
+            dynamo=True,
+            verbose=False,
+        )
+        native.config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(folder).save_pretrained(tmp)
+    return str(out)
+
+
+def greedy(session, input_ids: np.ndarray, max_new_tokens: int) -> np.ndarray:
+    """Greedy decoding in ONNX Runtime: the whole sequence each step, the argmax of the last position appended."""
+    ids = np.asarray(input_ids, dtype=np.int64)
+    for _ in range(max_new_tokens):
+        logits = session.run(["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+        ids = np.concatenate([ids, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    return ids
