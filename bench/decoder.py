@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
     parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
     parser.add_argument(
+        "--same-weights",
+        action="store_true",
+        help="Deriv is GPT-2 imported (`deriv import`): GPT-2's switches and its very weights (ignores --hidden-act, "
+        "--pre-norm)",
+    )
+    parser.add_argument(
         "--threads", type=integer(minimum=1), default=None, help="torch threads (default: torch's choice)"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
@@ -55,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(kind: str, args) -> torch.nn.Module:
     """One model of `kind` ('deriv' or 'gpt2') at the benchmark's shape, in train mode, sdpa, no dropout."""
     torch.manual_seed(0)
-    if kind == "deriv":
+    if kind == "deriv" and getattr(args, "same_weights", False):
+        from ..convert.folders import gpt2_twin
+
+        model = gpt2_twin(build("gpt2", args))  # GPT-2 built from the same seed, then imported
+    elif kind == "deriv":
         from ..modeling_deriv import DerivConfig, DerivForCausalLM
 
         config = DerivConfig(
@@ -266,8 +276,13 @@ def run(args) -> int:
 
     title = (
         f"Deriv vs GPT2LMHeadModel: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
-        f"context {args.context}, vocab {args.vocab}; Deriv act={args.hidden_act}, "
-        f"{'pre' if args.pre_norm else 'post'}-LN; threads={torch.get_num_threads()}, torch {torch.__version__}"
+        f"context {args.context}, vocab {args.vocab}; "
+        + (
+            "Deriv = GPT-2 imported, the same weights; "
+            if args.same_weights
+            else f"Deriv act={args.hidden_act}, {'pre' if args.pre_norm else 'post'}-LN; "
+        )
+        + f"threads={torch.get_num_threads()}, torch {torch.__version__}"
     )
     notes = [f"parameters: Deriv {params['deriv']:,}, GPT-2 {params['gpt2']:,}; fp32 matmul peak {peak:.0f} GFLOP/s"]
     side_by_side(title, notes, rows, "GPT-2", "gpt2", args.json)

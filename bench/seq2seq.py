@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=integer(minimum=1), default=None, help="torch threads (default: torch's choice)"
     )
+    parser.add_argument(
+        "--same-weights",
+        action="store_true",
+        help="Deriv is the Marian model imported (`deriv import`): Marian's very weights, its output bias too",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -60,7 +65,11 @@ def build(kind: str, args) -> torch.nn.Module:
         eos_token_id=2,
         decoder_start_token_id=1,
     )
-    if kind == "deriv":
+    if kind == "deriv" and getattr(args, "same_weights", False):
+        from ..convert.folders import marian_twin
+
+        model = marian_twin(build("marian", args))  # Marian built from the same seed, then imported
+    elif kind == "deriv":
         from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 
         config = DerivSeq2SeqConfig(**shape, hidden_size=args.hidden, intermediate_size=args.ffn, hidden_act="relu")
@@ -151,7 +160,9 @@ def run(args) -> int:
     title = (
         f"Deriv vs MarianMTModel: {args.layers}+{args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
         f"d_ff {args.ffn}, vocab {args.vocab}; batch {args.batch}, {args.source_len}+{args.target_len} tokens, "
-        f"{args.new_tokens} new tokens; threads={torch.get_num_threads()}, torch {torch.__version__}"
+        f"{args.new_tokens} new tokens; "
+        + ("Deriv = Marian imported, the same weights; " if getattr(args, "same_weights", False) else "")
+        + f"threads={torch.get_num_threads()}, torch {torch.__version__}"
     )
     notes = [f"parameters: Deriv {params['deriv']:,}, Marian {params['marian']:,}"]
     side_by_side(title, notes, rows, "Marian", "marian", args.json)

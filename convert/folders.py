@@ -46,15 +46,31 @@ def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding
         model.generation_config = GenerationConfig.from_model_config(model.config)
 
 
+_DERIV_TIED = {"lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
+
+
+def gpt2_twin(native) -> DerivForCausalLM:
+    """The `DerivForCausalLM` holding a `GPT2LMHeadModel`'s weights: the same function, Deriv's code."""
+    config = gpt2.deriv_config(native.config)
+    model = DerivForCausalLM(config)
+    _load_exact(model, gpt2.to_deriv(native.state_dict(), config.num_hidden_layers), {"lm_head.weight"})
+    return model
+
+
+def marian_twin(native) -> DerivForConditionalGeneration:
+    """The `DerivForConditionalGeneration` holding a `MarianMTModel`'s weights, its hidden basis reordered."""
+    config = marian.deriv_config(native.config)
+    model = DerivForConditionalGeneration(config)
+    _load_exact(model, marian.to_deriv(native.state_dict(), config), _DERIV_TIED)
+    return model
+
+
 def import_gpt2(source: str, out: str | os.PathLike) -> str:
     """A `GPT2LMHeadModel` checkpoint (a folder, or a Hub id when online) as a `DerivForCausalLM` folder."""
     from transformers import GPT2LMHeadModel
 
     _refuse_existing(out)
-    native = GPT2LMHeadModel.from_pretrained(source).eval()
-    config = gpt2.deriv_config(native.config)
-    model = DerivForCausalLM(config).eval()
-    _load_exact(model, gpt2.to_deriv(native.state_dict(), config.num_hidden_layers), {"lm_head.weight"})
+    model = gpt2_twin(GPT2LMHeadModel.from_pretrained(source)).eval()
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(source, tmp, model)
         model.save_pretrained(tmp)
@@ -76,7 +92,6 @@ def export_gpt2(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     return str(out)
 
 
-_DERIV_TIED = {"lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
 _MARIAN_TABLES = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
 
 
@@ -87,10 +102,7 @@ def import_marian(source: str, out: str | os.PathLike) -> str:
     from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
 
     _refuse_existing(out)
-    native = MarianMTModel.from_pretrained(source).eval()
-    config = marian.deriv_config(native.config)
-    model = DerivForConditionalGeneration(config).eval()
-    _load_exact(model, marian.to_deriv(native.state_dict(), config), _DERIV_TIED)
+    model = marian_twin(MarianMTModel.from_pretrained(source)).eval()
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(source, tmp, model)
         # as a trained translation folder: the pipeline rides along (custom_pipelines and its code), so

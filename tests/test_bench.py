@@ -93,3 +93,29 @@ def test_seq2seq_bench_prints_the_side_by_side_table(tmp_path, capsys):
         assert row in table
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert len(rows) == 4 and all(r["deriv"] > 0 and r["marian"] > 0 for r in rows)
+
+
+def test_same_weights_makes_deriv_the_imported_peer_with_the_peers_logits():
+    import torch
+
+    from deriv_lm.bench import seq2seq
+
+    parser = decoder.argparse.ArgumentParser()
+    decoder.add_arguments(parser)
+    args = parser.parse_args([*TINY_ARGS, "--same-weights"])
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        ours, theirs = decoder.build("deriv", args).eval()(x).logits, decoder.build("gpt2", args).eval()(x).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+    parser = seq2seq.argparse.ArgumentParser()
+    seq2seq.add_arguments(parser)
+    tiny = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64", "--same-weights"]
+    args = parser.parse_args(tiny)
+    batch = dict(input_ids=x[:, :8], decoder_input_ids=x[:, 8:])
+    with torch.no_grad():
+        ours, theirs = (
+            seq2seq.build("deriv", args).eval()(**batch).logits,
+            seq2seq.build("marian", args).eval()(**batch).logits,
+        )
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
