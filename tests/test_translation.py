@@ -343,6 +343,22 @@ def test_a_one_beam_run_exports_and_loads(tmp_path):
     assert model.generation_config.num_beams == 1 and not model.generation_config.early_stopping
 
 
+def test_a_translation_run_starts_from_a_trained_folder_with_init_from(translation_run, tmp_path):
+    from deriv_lm import DerivForConditionalGeneration
+
+    out, data = translation_run
+    again = tmp_path / "again"
+    flags = ["--init-from", str(out), "--max-steps", "2", "--learning-rate", "1e-12", "--warmup-steps", "1"]
+    flags += ["--context-length", "24", "--batch-size", "16", "--bleu-pairs", "4", "--num-beams", "1"]
+    code = main(["train", "translation", "--files", str(data), "--output-dir", str(again), *flags, "--no-progress"])
+    assert code == 0
+    before = DerivForConditionalGeneration.from_pretrained(out).state_dict()
+    after = DerivForConditionalGeneration.from_pretrained(again).state_dict()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0)  # a vanishing step: where it started
+    assert json.loads((again / "run.json").read_text())["base_model"] == "run"
+
+
 def test_validation_loss_covers_the_whole_validation_split(translation_run):
     """The final validation loss in run.json is the mean token loss over every validation pair (it used to be
     the first 10 batches of a length-sorted split: its shortest pairs)."""
