@@ -77,15 +77,27 @@ def import_gpt2(source: str, out: str | os.PathLike) -> str:
     return str(out)
 
 
+def native_gpt2(folder: str | os.PathLike):
+    """The `GPT2LMHeadModel` a folder holds: itself (a GPT-2 folder) or the twin of a GPT-2-shaped Deriv one."""
+    from transformers import AutoConfig, GPT2LMHeadModel
+
+    kind = AutoConfig.from_pretrained(folder).model_type
+    if kind == "gpt2":
+        return GPT2LMHeadModel.from_pretrained(folder).eval()
+    if kind != "deriv":
+        raise ValueError(f"{folder} is a {kind!r} model, not a decoder with a GPT-2 twin (deriv or gpt2).")
+    model = DerivForCausalLM.from_pretrained(folder)
+    config = gpt2.gpt2_config(model.config)  # says which switches differ, where there is no twin
+    native = GPT2LMHeadModel(config)
+    _load_exact(native, gpt2.to_gpt2(model.state_dict(), config.n_layer), set())
+    return native.eval()
+
+
 def export_gpt2(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     """A Deriv decoder folder with GPT-2's switches as a `GPT2LMHeadModel` folder (no Deriv code in it)."""
-    from transformers import GPT2LMHeadModel
 
     _refuse_existing(out)
-    model = DerivForCausalLM.from_pretrained(folder).eval()
-    config = gpt2.gpt2_config(model.config)
-    native = GPT2LMHeadModel(config).eval()
-    _load_exact(native, gpt2.to_gpt2(model.state_dict(), config.n_layer), set())
+    native = native_gpt2(folder)
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(str(folder), tmp, native)
         native.save_pretrained(tmp)

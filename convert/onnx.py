@@ -17,9 +17,8 @@ import warnings
 import numpy as np
 import torch
 
-from ..modeling_deriv import DerivForCausalLM
 from ..tokenization.files import atomic_directory
-from . import gpt2
+from .folders import _refuse_existing, native_gpt2
 
 
 class _Logits(torch.nn.Module):
@@ -33,29 +32,10 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
-def native_gpt2(folder: str | os.PathLike):
-    """The `GPT2LMHeadModel` a folder holds: itself (a GPT-2 folder) or its twin (a Deriv one)."""
-    from transformers import AutoConfig, GPT2LMHeadModel
-
-    kind = AutoConfig.from_pretrained(folder).model_type
-    if kind == "gpt2":
-        return GPT2LMHeadModel.from_pretrained(folder).eval()
-    if kind != "deriv":
-        raise ValueError(f"{folder} is a {kind!r} model; --to onnx takes a GPT-2-shaped decoder (deriv or gpt2).")
-    model = DerivForCausalLM.from_pretrained(folder).eval()
-    config = gpt2.gpt2_config(model.config)  # says which switches differ, where there is no twin
-    native = GPT2LMHeadModel(config).eval()
-    missing, unexpected = native.load_state_dict(gpt2.to_gpt2(model.state_dict(), config.n_layer), strict=False)
-    if missing or unexpected:
-        raise ValueError(f"The weights do not map onto GPT-2: missing {missing}, unexpected {unexpected}.")
-    return native
-
-
 def export_onnx(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     from transformers import AutoTokenizer
 
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise FileExistsError(f"{out} already exists and is not empty; choose a new --out folder.")
+    _refuse_existing(out)
     try:
         import onnxscript  # noqa: F401  (torch's exporter needs it)
     except ImportError as error:
