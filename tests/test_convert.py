@@ -373,8 +373,9 @@ def test_marian_export_then_import_is_exact_and_the_export_is_plain_marian(maria
         )
 
 
-def test_the_imported_marian_folder_passes_deriv_check(marian_folder, tmp_path):
-    steps = check_folder(import_model(str(marian_folder), tmp_path / "deriv"))
+@pytest.mark.parametrize("folder", ["marian_folder", "marian_two_vocabularies"])
+def test_the_imported_marian_folder_passes_deriv_check(folder, request, tmp_path):
+    steps = check_folder(import_model(str(request.getfixturevalue(folder)), tmp_path / "deriv"))
     assert [s["step"] for s in steps if not s["ok"]] == [], steps
 
 
