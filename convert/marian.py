@@ -51,6 +51,11 @@ def hidden_order(d: int) -> torch.Tensor:
 
 def deriv_config(marian) -> DerivSeq2SeqConfig:
     """The `DerivSeq2SeqConfig` of the same network as a `MarianConfig`; refuses what Deriv cannot express."""
+    if not marian.tie_word_embeddings:
+        raise ValueError(
+            "This Marian checkpoint's output projection is a matrix of its own (tie_word_embeddings=False); "
+            "Deriv ties it to the target embedding (§3.4)."
+        )
     if marian.encoder_ffn_dim != marian.decoder_ffn_dim:
         raise ValueError(f"encoder_ffn_dim {marian.encoder_ffn_dim} != decoder_ffn_dim {marian.decoder_ffn_dim}.")
     if marian.activation_function not in ACTIVATIONS:

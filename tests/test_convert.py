@@ -437,6 +437,13 @@ def test_a_marian_with_two_vocabularies_exports_to_two_and_back_exactly(marian_t
         )
 
 
+def test_a_marian_with_an_untied_output_is_refused(tmp_path, tiny_tokenizer, capsys):
+    # its lm_head is trained apart from the embedding, and a tied import would silently change the logits
+    folder = save_marian(tmp_path / "untied", tiny_tokenizer, tie_word_embeddings=False)
+    line = cli_error(["import", str(folder), "--out", str(tmp_path / "x")], capsys)
+    assert "tie_word_embeddings=False" in line and not (tmp_path / "x").exists()
+
+
 def test_the_config_refuses_a_bad_decoder_vocab_size():
     from huggingface_hub.errors import StrictDataclassClassValidationError
 
