@@ -49,6 +49,11 @@ def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding
 _DERIV_TIED = {"lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
 
 
+def _deriv_tied(config) -> set[str]:
+    """The names that hold no tensor of their own: the output projection, and both sides' tables when shared."""
+    return _DERIV_TIED - set(marian.embedding_names(config))
+
+
 def gpt2_twin(native) -> DerivForCausalLM:
     """The `DerivForCausalLM` holding a `GPT2LMHeadModel`'s weights: the same function, Deriv's code."""
     config = gpt2.deriv_config(native.config)
@@ -61,7 +66,7 @@ def marian_twin(native) -> DerivForConditionalGeneration:
     """The `DerivForConditionalGeneration` holding a `MarianMTModel`'s weights, its hidden basis reordered."""
     config = marian.deriv_config(native.config)
     model = DerivForConditionalGeneration(config)
-    _load_exact(model, marian.to_deriv(native.state_dict(), config), _DERIV_TIED)
+    _load_exact(model, marian.to_deriv(native.state_dict(), config), _deriv_tied(config))
     return model
 
 
@@ -108,7 +113,7 @@ _MARIAN_TABLES = {"model.encoder.embed_positions.weight", "model.decoder.embed_p
 
 
 def import_marian(source: str, out: str | os.PathLike) -> str:
-    """A `MarianMTModel` checkpoint (OPUS-MT's, or any with one shared vocabulary) as a Deriv encoder-decoder."""
+    """A `MarianMTModel` checkpoint (OPUS-MT's, with one vocabulary or two) as a Deriv encoder-decoder."""
     from transformers import AutoTokenizer, MarianMTModel
 
     from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline

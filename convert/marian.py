@@ -1,7 +1,9 @@
 """Marian <-> Deriv: the paper's encoder-decoder under two sets of names, and one reordering of the hidden basis.
 
 Marian (`MarianMTModel`, the OPUS-MT models) is the paper's architecture: post-LN, sinusoidal positions,
-sqrt(d)-scaled embeddings tied between encoder, decoder and output. Three things differ:
+sqrt(d)-scaled embeddings tied between encoder, decoder and output, or, in checkpoints with separate source and
+target vocabularies (`share_encoder_decoder_embeddings=False`), one table per side with the output tied to the
+decoder's; Deriv has the same switch under the same names. Three things differ:
 
 1. **The sinusoid's layout.** The paper interleaves, PE(pos, 2i) = sin, PE(pos, 2i+1) = cos, and so does Deriv;
    Marian puts all sines first, then all cosines: Marian's dimension i is Deriv's 2i, its d/2 + i is Deriv's 2i+1.
@@ -9,7 +11,7 @@ sqrt(d)-scaled embeddings tied between encoder, decoder and output. Three things
    them; every matrix that reads or writes the residual stream can have its rows or columns reordered. So
    reordering the hidden basis by `hidden_order(d)` turns a Marian network into the same function with Deriv's
    sinusoid, exactly:
-   - an embedding table: its columns;
+   - an embedding table (the shared one, or the encoder's and the decoder's): its columns;
    - a LayerNorm: gain and bias;
    - a linear map that reads the stream (q, k, v, fc1): its columns;
    - one that writes it (the attention output, fc2): its rows and bias.
@@ -49,12 +51,10 @@ def hidden_order(d: int) -> torch.Tensor:
 
 def deriv_config(marian) -> DerivSeq2SeqConfig:
     """The `DerivSeq2SeqConfig` of the same network as a `MarianConfig`; refuses what Deriv cannot express."""
-    if not marian.share_encoder_decoder_embeddings or (marian.decoder_vocab_size or marian.vocab_size) != (
-        marian.vocab_size
-    ):
+    if not marian.tie_word_embeddings:
         raise ValueError(
-            "This Marian checkpoint has separate source and target vocabularies; Deriv's encoder-decoder shares "
-            "one vocabulary between them (§3.4)."
+            "This Marian checkpoint's output projection is a matrix of its own (tie_word_embeddings=False); "
+            "Deriv ties it to the target embedding (§3.4)."
         )
     if marian.encoder_ffn_dim != marian.decoder_ffn_dim:
         raise ValueError(f"encoder_ffn_dim {marian.encoder_ffn_dim} != decoder_ffn_dim {marian.decoder_ffn_dim}.")
@@ -63,6 +63,8 @@ def deriv_config(marian) -> DerivSeq2SeqConfig:
     hidden_order(marian.d_model)
     return DerivSeq2SeqConfig(
         vocab_size=marian.vocab_size,
+        share_encoder_decoder_embeddings=bool(marian.share_encoder_decoder_embeddings),
+        decoder_vocab_size=marian.decoder_vocab_size,  # MarianConfig fills it in as the source's when not given
         hidden_size=marian.d_model,
         encoder_layers=marian.encoder_layers,
         decoder_layers=marian.decoder_layers,
@@ -85,7 +87,7 @@ def deriv_config(marian) -> DerivSeq2SeqConfig:
 
 
 def marian_config(config: DerivSeq2SeqConfig):
-    """The `MarianConfig` of a Deriv encoder-decoder: the paper's block, sinusoid and one vocabulary."""
+    """The `MarianConfig` of a Deriv encoder-decoder: the paper's block and sinusoid, one vocabulary or two."""
     from transformers import MarianConfig
 
     wrong = [
@@ -98,7 +100,8 @@ def marian_config(config: DerivSeq2SeqConfig):
     hidden_order(config.hidden_size)
     return MarianConfig(
         vocab_size=config.vocab_size,
-        decoder_vocab_size=config.vocab_size,
+        decoder_vocab_size=config.decoder_vocab_size,
+        share_encoder_decoder_embeddings=config.share_encoder_decoder_embeddings,
         d_model=config.hidden_size,
         encoder_layers=config.encoder_layers,
         decoder_layers=config.decoder_layers,
@@ -116,7 +119,6 @@ def marian_config(config: DerivSeq2SeqConfig):
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         decoder_start_token_id=config.decoder_start_token_id,
-        share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True,
     )
 
@@ -152,23 +154,35 @@ def _move(state, config, order, to_deriv: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def embedding_names(config: DerivSeq2SeqConfig) -> tuple[str, ...]:
+    """The token tables that hold weights of their own, under the same names in both models: the shared one, or
+    the encoder's (source) and the decoder's (target); the rest are tied to them."""
+    if config.share_encoder_decoder_embeddings:
+        return ("model.shared.weight",)
+    return ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+
+
 def to_deriv(state: dict[str, torch.Tensor], config: DerivSeq2SeqConfig) -> dict[str, torch.Tensor]:
     """A `MarianMTModel` state dict as `DerivForConditionalGeneration`'s, the hidden basis in Deriv's order."""
     order = hidden_order(config.hidden_size)
     out = _move(state, config, order, to_deriv=True)
-    out["model.shared.weight"] = state["model.shared.weight"][:, order]
+    for name in embedding_names(config):
+        out[name] = state[name][:, order]
     out["lm_head.bias"] = state["final_logits_bias"][0]
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def to_marian(state: dict[str, torch.Tensor], config: DerivSeq2SeqConfig) -> dict[str, torch.Tensor]:
-    """`to_deriv` read backwards (the sinusoid tables are Marian's own, computed by MarianMTModel)."""
+    """`to_deriv` read backwards (the sinusoid tables are Marian's own, computed by MarianMTModel). Marian's state
+    dict names the tied tables too, so each gets the tensor it is tied to."""
     order = hidden_order(config.hidden_size)
     out = _move(state, config, order, to_deriv=False)
-    shared = state["model.shared.weight"][:, torch.argsort(order)]
-    for name in ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
-        out[name] = shared
-    out["lm_head.weight"] = shared
+    for name in embedding_names(config):
+        out[name] = state[name][:, torch.argsort(order)]
+    if config.share_encoder_decoder_embeddings:  # one table under three names
+        shared = out["model.shared.weight"]
+        out["model.encoder.embed_tokens.weight"] = out["model.decoder.embed_tokens.weight"] = shared
+    out["lm_head.weight"] = out["model.decoder.embed_tokens.weight"]  # the output scores the target's tokens
     bias = state.get("lm_head.bias")
-    out["final_logits_bias"] = (bias if bias is not None else torch.zeros(config.vocab_size)).unsqueeze(0)
+    out["final_logits_bias"] = (bias if bias is not None else torch.zeros(config.decoder_vocab_size)).unsqueeze(0)
     return {k: v.contiguous() for k, v in out.items()}

@@ -108,7 +108,8 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
     r"""Shape and hyperparameters of [`DerivForConditionalGeneration`], the paper's encoder-decoder.
 
     One vocabulary serves source and target (§3.4: the encoder embedding, the decoder embedding and
-    the output projection share one matrix). The fields the decoder-only model has keep their
+    the output projection share one matrix), unless `share_encoder_decoder_embeddings=False` gives each
+    side its own, as some Marian checkpoints have. The fields the decoder-only model has keep their
     meaning; the layer and head counts are per side, under the library's names.
 
     Example:
@@ -132,7 +133,7 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
         "n_positions": "max_position_embeddings",
     }
 
-    vocab_size: int = 8192  # shared by source and target
+    vocab_size: int = 8192  # shared by source and target; the source's alone when they are not shared
     hidden_size: int = 512  # d_model
     encoder_layers: int = 6  # N on the encoder side
     decoder_layers: int = 6  # N on the decoder side
@@ -152,17 +153,31 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     use_cache: bool = True
     tie_word_embeddings: bool = True  # encoder embedding = decoder embedding = output projection^T
+    # False: two vocabularies, as some Marian checkpoints have (`deriv import` loads them). The encoder embeds
+    # `vocab_size` source ids; the decoder embeds `decoder_vocab_size` target ids, and the output projection,
+    # tied to the decoder's table, scores those. Marian's names for both fields.
+    share_encoder_decoder_embeddings: bool = True
+    decoder_vocab_size: int | None = None  # the target's vocabulary; None: vocab_size (filled in at construction)
     is_encoder_decoder: bool = True
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     decoder_start_token_id: int | None = 1  # the first decoder input: <bos>
 
+    def __post_init__(self, **kwargs):
+        # subtle: resolved here, not left None, because the library reads the decoder's side of a flat
+        # encoder-decoder config by renaming decoder_* fields (`get_text_config(decoder=True)`: decoder_vocab_size
+        # becomes vocab_size), where None is no vocabulary size. Marian's config does the same.
+        if self.decoder_vocab_size is None:
+            self.decoder_vocab_size = self.vocab_size
+        super().__post_init__(**kwargs)
+
     def validate_architecture(self):
         """Reject impossible shapes at construction, naming the field (run by `@strict`)."""
         _check_positive(
             self,
             "vocab_size",
+            "decoder_vocab_size",
             "hidden_size",
             "encoder_layers",
             "decoder_layers",
@@ -179,9 +194,15 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
                     f"each head gets hidden_size / {side}_attention_heads dimensions."
                 )
         _check_common(self)
-        if self.decoder_start_token_id is None or not 0 <= self.decoder_start_token_id < self.vocab_size:
+        if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
             raise ValueError(
-                f"`decoder_start_token_id` must be a token id in [0, {self.vocab_size}), "
+                f"`decoder_vocab_size` ({self.decoder_vocab_size}) differs from `vocab_size` ({self.vocab_size}), "
+                "but one shared embedding has one size; share_encoder_decoder_embeddings=False gives each its own."
+            )
+        # the decoder reads target ids
+        if self.decoder_start_token_id is None or not 0 <= self.decoder_start_token_id < self.decoder_vocab_size:
+            raise ValueError(
+                f"`decoder_start_token_id` must be a token id in [0, {self.decoder_vocab_size}), "
                 f"got {self.decoder_start_token_id!r}."
             )
 

@@ -343,7 +343,9 @@ class DerivPreTrainedModel(PreTrainedModel):
             std = module.embedding_dim**-0.5 if scaled else self.config.initializer_range
             init.normal_(module.weight, mean=0.0, std=std)
         elif getattr(module, "feeds_output_projection", False):
-            d, vocab = self.config.hidden_size, self.config.vocab_size
+            d = self.config.hidden_size
+            # V is the output's: an encoder-decoder with two vocabularies scores the target's, decoder_vocab_size
+            vocab = getattr(self.config, "decoder_vocab_size", None) or self.config.vocab_size
             init.constant_(module.weight, min(0.5, math.log(vocab) / math.sqrt(d)))
 
 
@@ -353,12 +355,18 @@ def mark_output_norm(layers: nn.ModuleList, norm: nn.Module, pre_norm: bool) -> 
     (norm if pre_norm else layers[-1].final_layer_norm).feeds_output_projection = True
 
 
-def check_inputs(input_ids: torch.LongTensor | None, position_ids: torch.LongTensor, config: DerivConfig) -> None:
+def check_inputs(
+    input_ids: torch.LongTensor | None,
+    position_ids: torch.LongTensor,
+    config: DerivConfig,
+    vocab_size: int | None = None,
+) -> None:
     """Fail early, naming the offending value, on ids outside [0, vocab_size) and on positions past the end of the
     position table, instead of an index error deep inside. Skipped under torch.compile, where a data-dependent
-    branch would break the graph."""
+    branch would break the graph. `vocab_size` defaults to the config's (an encoder-decoder's target may differ)."""
     if torch.compiler.is_compiling():
         return
+    vocab_size = vocab_size or config.vocab_size
     checks = [position_ids.max()]
     if input_ids is not None and input_ids.numel() > 0:
         checks += torch.aminmax(input_ids)
@@ -369,9 +377,9 @@ def check_inputs(input_ids: torch.LongTensor | None, position_ids: torch.LongTen
             f"{config.max_position_embeddings}): the sequence is longer than the model's context; truncate the "
             "input or lower max_new_tokens."
         )
-    if id_range and (id_range[0] < 0 or id_range[1] >= config.vocab_size):
-        bad = input_ids[(input_ids < 0) | (input_ids >= config.vocab_size)][0].item()
-        raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {config.vocab_size}).")
+    if id_range and (id_range[0] < 0 or id_range[1] >= vocab_size):
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)][0].item()
+        raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {vocab_size}).")
 
 
 def check_mask(attention_mask: torch.Tensor | None, batch: int, length: int, name: str = "attention_mask") -> None:

@@ -11,8 +11,11 @@ input and the output projection (§3.4), so source and target share one vocabula
 
 Two switches make it Marian's network too (OPUS-MT, which `deriv import` loads): `scale_embedding=False` drops
 the sqrt(d) (the paper and OPUS-MT keep it), and `output_bias=True` adds a bias over the vocabulary to the
-logits (Marian's `final_logits_bias`). Marian's sinusoid lists sines before cosines; the importer reorders the
-hidden basis instead of adding a third switch (`convert/marian.py`).
+logits (Marian's `final_logits_bias`). A third, `share_encoder_decoder_embeddings=False`, gives source and target
+vocabularies of their own, as some Marian checkpoints have: the encoder and the decoder each embed with their own
+matrix, and the output projection is tied to the decoder's (W_E above is then the target's). Marian's sinusoid
+lists sines before cosines; the importer reorders the hidden basis instead of adding a switch for it
+(`convert/marian.py`).
 """
 
 import torch
@@ -118,7 +121,8 @@ def _embed(module, input_ids, inputs_embeds, past_seen: int, position_ids=None) 
     tokens = input_ids if input_ids is not None else inputs_embeds
     if position_ids is None:
         position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past_seen).unsqueeze(0)
-    check_inputs(input_ids, position_ids, module.config)
+    # this side's vocabulary: the target's may differ from the source's (share_encoder_decoder_embeddings=False)
+    check_inputs(input_ids, position_ids, module.config, vocab_size=module.embed_tokens.num_embeddings)
     if inputs_embeds is None:
         inputs_embeds = module.embed_tokens(input_ids)
     return inputs_embeds, module.dropout(inputs_embeds + module.embed_positions(position_ids))
@@ -128,12 +132,19 @@ class DerivSeq2SeqStack(DerivSeq2SeqPreTrainedModel):
     """What both sides are made of: the (shared) scaled embedding, positions, dropout, N blocks, and the final
     LayerNorm that pre-LN needs; each side adds its own forward."""
 
-    def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None, layer_class, num_layers: int):
+    def __init__(
+        self,
+        config: DerivSeq2SeqConfig,
+        embed_tokens: nn.Embedding | None,
+        layer_class,
+        num_layers: int,
+        vocab_size: int,  # rows of the side's own embedding, when it is given none to share
+    ):
         super().__init__(config)
         self.embed_tokens = (
             embed_tokens
             if embed_tokens is not None
-            else DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
+            else DerivScaledWordEmbedding(vocab_size, config.hidden_size, config.scale_embedding)
         )
         self.embed_positions = position_embedding(config)
         self.dropout = nn.Dropout(config.dropout)
@@ -151,7 +162,7 @@ class DerivEncoder(DerivSeq2SeqStack):
     _can_record_outputs = {"hidden_states": DerivEncoderLayer, "attentions": DerivAttention}
 
     def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None = None):
-        super().__init__(config, embed_tokens, DerivEncoderLayer, config.encoder_layers)
+        super().__init__(config, embed_tokens, DerivEncoderLayer, config.encoder_layers, config.vocab_size)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -189,7 +200,9 @@ class DerivDecoder(DerivSeq2SeqStack):
     }
 
     def __init__(self, config: DerivSeq2SeqConfig, embed_tokens: nn.Embedding | None = None):
-        super().__init__(config, embed_tokens, DerivSeq2SeqDecoderLayer, config.decoder_layers)
+        super().__init__(
+            config, embed_tokens, DerivSeq2SeqDecoderLayer, config.decoder_layers, config.decoder_vocab_size
+        )
 
     @merge_with_config_defaults
     @capture_outputs
@@ -249,16 +262,26 @@ class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
 
     def __init__(self, config: DerivSeq2SeqConfig):
         super().__init__(config)
-        self.shared = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
-        self.encoder = DerivEncoder(config, self.shared)
-        self.decoder = DerivDecoder(config, self.shared)
+        if config.share_encoder_decoder_embeddings:
+            self.shared = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
+            self.encoder = DerivEncoder(config, self.shared)
+            self.decoder = DerivDecoder(config, self.shared)
+        else:
+            # Two vocabularies (Marian's separate ones): each side builds its own table and nothing is `shared`.
+            self._tied_weights_keys = {}
+            self.encoder = DerivEncoder(config)
+            self.decoder = DerivDecoder(config)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
-        return self.shared
+        """The source's embedding (the one shared matrix, or the encoder's own)."""
+        return self.encoder.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = value
+        if self.config.share_encoder_decoder_embeddings:
+            self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = value
+        else:
+            self.encoder.embed_tokens = value
 
     @can_return_tuple
     def forward(
@@ -313,8 +336,24 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
     def __init__(self, config: DerivSeq2SeqConfig):
         super().__init__(config)
         self.model = DerivSeq2SeqModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.output_bias)
+        if not config.share_encoder_decoder_embeddings:
+            # Two vocabularies: the output scores target tokens, so W_E is the decoder's table, as in Marian.
+            self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+        self.lm_head = nn.Linear(config.hidden_size, config.decoder_vocab_size, bias=config.output_bias)
         self.post_init()
+
+    def _resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of=None, mean_resizing=True):
+        """`resize_token_embeddings` resizes the source's vocabulary, `vocab_size`; with one shared vocabulary that is
+        the output's too (the library's resize), with two the target's table and the output keep their size."""
+        if self.config.share_encoder_decoder_embeddings:
+            embeddings = super()._resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+            self.config.decoder_vocab_size = embeddings.num_embeddings  # one size for both sides, as validated
+            return embeddings
+        embeddings = self._get_resized_embeddings(
+            self.get_input_embeddings(), new_num_tokens, pad_to_multiple_of, mean_resizing
+        )
+        self.set_input_embeddings(embeddings)
+        return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.LongTensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)

@@ -44,8 +44,8 @@ def gpt2_folder(tmp_path, tiny_tokenizer):
     return folder
 
 
-def ids(batch: int = 2, length: int = 12) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(1))
+def ids(batch: int = 2, length: int = 12, vocab: int = 300) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
 def test_an_imported_gpt2_gives_the_same_logits(gpt2_folder, tmp_path):
@@ -245,13 +245,12 @@ def test_init_from_refuses_a_translation_folder_and_a_second_tokenizer(tmp_path,
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
-@pytest.fixture
-def marian_folder(tmp_path, tiny_tokenizer):
+def save_marian(folder, tokenizer, **vocabularies):
+    """A tiny MarianMTModel with every trained tensor redrawn, saved with `tokenizer` (one vocabulary unless told)."""
     from transformers import MarianConfig, MarianMTModel
 
     config = MarianConfig(
-        vocab_size=len(tiny_tokenizer),
-        decoder_vocab_size=len(tiny_tokenizer),
+        **{"vocab_size": len(tokenizer), "decoder_vocab_size": len(tokenizer), **vocabularies},
         d_model=32,
         encoder_layers=2,
         decoder_layers=2,
@@ -262,9 +261,9 @@ def marian_folder(tmp_path, tiny_tokenizer):
         activation_function="swish",  # OPUS-MT's
         scale_embedding=True,
         max_position_embeddings=64,
-        pad_token_id=tiny_tokenizer.pad_token_id,
-        eos_token_id=tiny_tokenizer.eos_token_id,
-        decoder_start_token_id=tiny_tokenizer.pad_token_id,  # Marian starts from <pad>
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,  # Marian starts from <pad>
         forced_eos_token_id=None,
     )
     torch.manual_seed(0)
@@ -276,10 +275,27 @@ def marian_folder(tmp_path, tiny_tokenizer):
                 base = 1.0 if parameter.dim() == 1 and "layer_norm" in name else 0.0
                 parameter.copy_(torch.randn(parameter.shape, generator=g) * 0.2 + base)
         model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=g))
-    folder = tmp_path / "marian-tiny"
     model.save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture
+def marian_folder(tmp_path, tiny_tokenizer):
+    return save_marian(tmp_path / "marian-tiny", tiny_tokenizer)
+
+
+TARGET_VOCAB = 260  # the target's vocabulary in the two-vocabulary Marian; the source's is the tokenizer's 300
+
+
+@pytest.fixture
+def marian_two_vocabularies(tmp_path, tiny_tokenizer):
+    return save_marian(
+        tmp_path / "marian-two-vocabularies",
+        tiny_tokenizer,
+        share_encoder_decoder_embeddings=False,
+        decoder_vocab_size=TARGET_VOCAB,
+    )
 
 
 def test_the_two_sinusoid_layouts_are_one_reordering_of_the_hidden_basis():
@@ -357,16 +373,110 @@ def test_marian_export_then_import_is_exact_and_the_export_is_plain_marian(maria
         )
 
 
-def test_the_imported_marian_folder_passes_deriv_check(marian_folder, tmp_path):
-    steps = check_folder(import_model(str(marian_folder), tmp_path / "deriv"))
+@pytest.mark.parametrize("folder", ["marian_folder", "marian_two_vocabularies"])
+def test_the_imported_marian_folder_passes_deriv_check(folder, request, tmp_path):
+    steps = check_folder(import_model(str(request.getfixturevalue(folder)), tmp_path / "deriv"))
     assert [s["step"] for s in steps if not s["ok"]] == [], steps
 
 
-def test_marian_with_two_vocabularies_is_refused(marian_folder, tmp_path, capsys):
-    config = json.loads((marian_folder / "config.json").read_text())
-    (marian_folder / "config.json").write_text(json.dumps({**config, "share_encoder_decoder_embeddings": False}))
-    line = cli_error(["import", str(marian_folder), "--out", str(tmp_path / "x")], capsys)
-    assert "separate source and target vocabularies" in line and not (tmp_path / "x").exists()
+def test_a_marian_with_two_vocabularies_imports_with_two_and_gives_the_same_logits(marian_two_vocabularies, tmp_path):
+    source, model = marian_pair(marian_two_vocabularies, tmp_path)
+    config = model.config
+    assert (config.share_encoder_decoder_embeddings, config.vocab_size, config.decoder_vocab_size) == (
+        False,
+        300,
+        TARGET_VOCAB,
+    )
+    assert not hasattr(model.model, "shared")
+    assert model.model.encoder.embed_tokens.weight.shape == (300, 32)
+    assert model.lm_head.weight is model.model.decoder.embed_tokens.weight  # the output is tied to the target's
+    x, y = ids(2, 10), ids(2, 7, vocab=TARGET_VOCAB)
+    mask = torch.ones_like(x)
+    mask[1, 7:] = 0  # a padded source
+    with torch.no_grad():
+        expected = source(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+        got = model(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+    assert got.shape == (2, 7, TARGET_VOCAB) and expected.abs().max() > 1
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_a_marian_with_two_vocabularies_translates_to_the_same_tokens_greedy_and_with_beams(
+    marian_two_vocabularies, tmp_path
+):
+    source, model = marian_pair(marian_two_vocabularies, tmp_path)
+    x = ids(2, 6)
+    for options in (dict(num_beams=1), dict(num_beams=4, num_return_sequences=2)):
+        kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, **options)
+        expected = source.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        got = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        assert torch.equal(got, expected), options
+
+
+def test_a_marian_with_two_vocabularies_exports_to_two_and_back_exactly(marian_two_vocabularies, tmp_path):
+    from transformers import MarianMTModel
+
+    from deriv_lm import DerivForConditionalGeneration
+
+    first = DerivForConditionalGeneration.from_pretrained(
+        import_model(str(marian_two_vocabularies), tmp_path / "a")
+    ).eval()
+    exported = export_model(tmp_path / "a", "marian", tmp_path / "native")
+    native = MarianMTModel.from_pretrained(exported).eval()
+    assert (native.config.share_encoder_decoder_embeddings, native.config.decoder_vocab_size) == (False, TARGET_VOCAB)
+    again = DerivForConditionalGeneration.from_pretrained(import_model(str(exported), tmp_path / "b"))
+    assert again.state_dict().keys() == first.state_dict().keys()
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    x, y = ids(2, 8), ids(2, 5, vocab=TARGET_VOCAB)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            native(input_ids=x, decoder_input_ids=y).logits,
+            first(input_ids=x, decoder_input_ids=y).logits,
+            atol=1e-4,
+            rtol=0,
+        )
+
+
+def test_a_marian_with_an_untied_output_is_refused(tmp_path, tiny_tokenizer, capsys):
+    # its lm_head is trained apart from the embedding, and a tied import would silently change the logits
+    folder = save_marian(tmp_path / "untied", tiny_tokenizer, tie_word_embeddings=False)
+    line = cli_error(["import", str(folder), "--out", str(tmp_path / "x")], capsys)
+    assert "tie_word_embeddings=False" in line and not (tmp_path / "x").exists()
+
+
+def test_the_config_refuses_a_bad_decoder_vocab_size():
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    from deriv_lm import DerivSeq2SeqConfig
+
+    with pytest.raises(StrictDataclassClassValidationError, match="`decoder_vocab_size` must be a positive integer"):
+        DerivSeq2SeqConfig(vocab_size=300, share_encoder_decoder_embeddings=False, decoder_vocab_size=0)
+    with pytest.raises(StrictDataclassClassValidationError, match=r"`decoder_vocab_size` \(260\) differs from"):
+        DerivSeq2SeqConfig(vocab_size=300, decoder_vocab_size=260)  # shared: one matrix has one size
+    with pytest.raises(StrictDataclassClassValidationError, match=r"`decoder_start_token_id` .* \[0, 1\)"):
+        DerivSeq2SeqConfig(share_encoder_decoder_embeddings=False, decoder_vocab_size=1, decoder_start_token_id=1)
+
+
+def test_an_old_config_without_the_vocabulary_fields_builds_the_same_parameters():
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
+
+    folder = Path(__file__).parent / "data" / "numbers_en"  # saved before the two fields existed
+    saved = json.loads((folder / "config.json").read_text())
+    assert "share_encoder_decoder_embeddings" not in saved and "decoder_vocab_size" not in saved
+    config = DerivSeq2SeqConfig.from_pretrained(folder)
+    assert (config.share_encoder_decoder_embeddings, config.decoder_vocab_size) == (True, config.vocab_size)
+    model = DerivForConditionalGeneration(config)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    table = stored["model.shared.weight"]
+    tied = ("lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+    assert {name: tuple(t.shape) for name, t in model.state_dict().items()} == stored | dict.fromkeys(tied, table)
+    for name in tied:
+        assert model.get_parameter(name) is model.model.shared.weight, name
 
 
 def test_an_exported_gpt2_runs_in_onnx_runtime_with_the_same_logits_and_greedy_tokens(gpt2_folder, tmp_path):

@@ -398,3 +398,21 @@ def test_the_pipeline_keeps_each_sources_sequences_together_in_a_batch(overfit):
     batched = translator(sources, batch_size=3, **options)
     assert batched == one_by_one and all(len(out) == 2 for out in batched)
     assert [out[0]["translation_text"] for out in batched] == [t for _, t in PAIRS[:3]]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_resizing_the_vocabulary_resizes_the_source_and_keeps_the_output_tied(shared, tmp_path):
+    # one vocabulary: source, target and output grow together; two: only the source's (`vocab_size`) does
+    target = 300 if shared else 250
+    model = make_seq2seq(output_bias=True, share_encoder_decoder_embeddings=shared, decoder_vocab_size=target)
+    model.resize_token_embeddings(310, mean_resizing=False)
+    grown = 310 if shared else target
+    assert (model.config.vocab_size, model.config.decoder_vocab_size) == (310, grown)
+    assert model.get_input_embeddings().weight.shape == (310, 32)
+    assert model.lm_head.weight is model.model.decoder.embed_tokens.weight and model.lm_head.bias.shape == (grown,)
+    src = {"input_ids": torch.full((1, 4), 305)}  # an id only the grown source vocabulary has
+    logits = model(**src, decoder_input_ids=torch.tensor([[1, 5]])).logits
+    assert logits.shape == (1, 2, grown)
+    model.save_pretrained(tmp_path)
+    loaded = DerivForConditionalGeneration.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded(**src, decoder_input_ids=torch.tensor([[1, 5]])).logits, logits)
