@@ -82,6 +82,7 @@ class HardwareRecord:
     platform: str
     processor: str
     gpu: str | None
+    distributed: str = "NO"  # accelerate's DistributedType: NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED, ...
 
 
 @dataclass

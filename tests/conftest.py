@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and models (CPU, seconds), a tiny byte-level tokenizer, and a
 helper that runs Python in a subprocess that cannot import this package."""
 
+import json
 import subprocess
 
 import pytest
@@ -74,3 +75,17 @@ def cli_error(argv: list[str], capsys) -> str:
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("deriv: error: "), line
     return line
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    """120 documents of the default corpus as JSON lines: the training tests' corpus."""
+    from deriv_lm.tokenization import default_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    with open(path, "w") as f:
+        for i, doc in enumerate(default_corpus()):
+            if i >= 120:
+                break
+            f.write(json.dumps({"text": doc}) + "\n")
+    return path

@@ -4,6 +4,9 @@
                                            trainer_state.json, scheduler.json (ours: JSON, never pickled),
                                            COMPLETE (written last)
 
+Under FSDP the weights and the optimizer are sharded, one folder each in torch's distributed checkpoint
+format (`pytorch_model_fsdp_0/`, `optimizer_0/`: a `.distcp` file per process and a `.metadata` index).
+
 A checkpoint is written into `.partial-step-N` beside its final name and renamed into place, so an
 interrupted write never replaces the last good one; resuming skips a torn one for the one before it.
 """
@@ -149,8 +152,11 @@ class Checkpoints:
     def load(self, path: str, state: TrainerState, scheduler) -> None:
         """accelerate reads the weights (safetensors), the optimizer and the RNG states with torch's
         `weights_only=True` loader, which refuses anything but tensors and plain containers; nothing
-        is registered for its pickled custom objects. The scheduler and trainer state are JSON."""
+        is registered for its pickled custom objects. The scheduler and trainer state are JSON. A sharded
+        (FSDP) checkpoint's `.metadata` index, which torch unpickles as it is, is read first with only its own
+        classes allowed (`check_sharded_metadata`)."""
         try:
+            check_sharded_metadata(path)
             self.accelerator.load_state(path)
         except pickle.UnpicklingError as error:
             raise ValueError(
@@ -171,6 +177,55 @@ class Checkpoints:
             raise ValueError(
                 f"Cannot resume from {path}: its trainer or scheduler state is unreadable ({error})"
             ) from error
+
+
+# What the `.metadata` index of torch's distributed checkpoint holds: its own dataclasses, tensor shapes, dtypes
+# and layouts, and the path it was written to. Nothing here runs code when it is built.
+_SHARDED_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _ShardedMetadataUnpickler(pickle.Unpickler):
+    """Python's "restricting globals" unpickler: a class or function outside the allowed set is refused
+    before it is looked up, so a planted `.metadata` cannot run code (torch's own weights-only loader cannot
+    read this file: it is pickle protocol 4, framed)."""
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        allowed = (module, name) in _SHARDED_METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a sharded checkpoint's index")
+        return super().find_class(module, name)
+
+
+def check_sharded_metadata(path: str) -> None:
+    """Read every `.metadata` index under the checkpoint `path` with only the index's own classes allowed;
+    pickle.UnpicklingError names the first thing that is not one of them."""
+    for folder, _, files in os.walk(path):
+        if ".metadata" in files:
+            with open(os.path.join(folder, ".metadata"), "rb") as f:
+                _ShardedMetadataUnpickler(f).load()
 
 
 def _write_own_state(folder: str, state: TrainerState, scheduler) -> None:

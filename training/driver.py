@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 import time
 
+from accelerate.utils import DistributedType
+
 from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tokens_with, train_bpe
+from .distributed import describe, whole_model
 from .export import export_folder, run_record
 from .runlock import releases_run_lock
 from .trainer import Trainer
@@ -37,7 +40,7 @@ def run(args, task, cpu: bool = False) -> str:
     n_params = sum(p.numel() for p in model.parameters())
     accelerator.print(
         f"model: {n_params / 1e6:.2f} M parameters; {len(train_dataset)} training and {len(eval_dataset)} "
-        f"validation {task.unit}; {accelerator.num_processes} process(es) on {accelerator.device}"
+        f"validation {task.unit}; {describe(accelerator)}"
     )
     trainer.train(model, task, train_dataset, eval_dataset)
     accelerator.wait_for_everyone()
@@ -84,6 +87,9 @@ def finish(trainer, task, tokenizer, state_dict, seconds: float) -> None:
     """Main process: the trained model's defaults, metrics and run record, the exported folder, samples."""
     args, accelerator, state = trainer.args, trainer.accelerator, trainer.state
     model = accelerator.unwrap_model(trainer.model)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        # A sharded model runs only with every process taking part; what follows runs on this one alone.
+        model, state_dict = whole_model(task.model_class, model.config, state_dict), None
     model.eval()
     model.generation_config = task.generation_config(model, tokenizer)
     final = next((r for r in reversed(state.history) if "val_loss" in r), {})

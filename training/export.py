@@ -90,6 +90,7 @@ def run_record(task, args, data: dict, tokenizer, chars_per_token, model, state,
         hardware=HardwareRecord(
             device=str(accelerator.device),
             processes=accelerator.num_processes,
+            distributed=accelerator.distributed_type.value,
             mixed_precision=accelerator.mixed_precision,
             torch_threads=torch.get_num_threads(),
             platform=platform.platform(),

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from .checkpoints import Checkpoints, TrainerState, read_metrics
+from .distributed import settle_distributed_mode
 from .optim import choose_mixed_precision, inverse_sqrt, optimizer_and_schedule, warmup_cosine
 from .runlock import acquire_run_lock
 from .stops import STOP, NonFiniteLoss, TrainingInterrupted, deferred_stop, handle_stop_signals
@@ -58,6 +59,7 @@ class Trainer:
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
             cpu=cpu,
         )
+        settle_distributed_mode(self.accelerator)  # FSDP on CPU processes; a DeepSpeed run that did not get it
         if self.accelerator.is_main_process:  # before any work: a second run into the folder stops here
             acquire_run_lock(args.output_dir, say=self.accelerator.print)
         set_seed(args.seed)

@@ -1,0 +1,60 @@
+"""What the launcher asked for, and what the processes got: the distributed modes on a machine without GPUs.
+
+accelerate picks its mode from the environment `accelerate launch` (or torchrun) sets. Two of its choices
+do not match what a CPU run was asked for, and this file settles both, once, before anything is prepared:
+
+- **FSDP on CPU.** `accelerate launch --use_fsdp` (or a config with `distributed_type: FSDP`) on CPU
+  processes comes up as plain data parallelism: accelerate enables its FSDP plugin only for accelerator
+  backends (`AcceleratorState`, `MULTI_GPU` and its kin). torch's FSDP2 (`fully_shard`) itself runs on CPU
+  over gloo, so here the plugin the launcher configured is handed to the state as accelerate does on a GPU.
+  Everything after that is accelerate's own FSDP path: wrapping, sharded checkpoints, gathering the weights.
+- **DeepSpeed on CPU** is not run by accelerate at all (its launcher skips DeepSpeed under `--cpu`); a run
+  that was asked for it and did not get it stops with one line rather than train in another mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+
+def _asked(name: str) -> bool:
+    return os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"
+
+
+def settle_distributed_mode(accelerator) -> None:
+    """Make `accelerator` run the mode the launcher asked for, or say in one line why it cannot."""
+    if _asked("FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        # As AcceleratorState does for GPUs (and mirrors into PartialState, which every later AcceleratorState()
+        # copies from): the plugin reads the launcher's FSDP_* variables.
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        accelerator.state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if _asked("DEEPSPEED") and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(
+            f"DeepSpeed was asked for, but accelerate set up {accelerator.distributed_type.value} on "
+            f"{accelerator.device}: accelerate runs DeepSpeed only on GPUs (and other accelerators), not on CPU "
+            "processes. Use the FSDP config or DDP (--multi_gpu) on CPU."
+        )
+
+
+def describe(accelerator) -> str:
+    """'2 process(es) on cpu, FSDP (version 2)': what the log and the run record say about the run's mode."""
+    mode = accelerator.distributed_type
+    text = f"{accelerator.num_processes} process(es) on {accelerator.device}"
+    if mode == DistributedType.FSDP:
+        return f"{text}, FSDP (version {accelerator.state.fsdp_plugin.fsdp_version})"
+    if mode in (DistributedType.NO,):
+        return text
+    return f"{text}, {mode.value}"
+
+
+def whole_model(model_class, config, state_dict):
+    """A plain, unsharded copy of an FSDP-trained model from its gathered weights (`get_state_dict`), for the
+    main process's work after training: generation defaults, BLEU, samples, the export (which saves its tied
+    weights once, as they share storage here and not in the gathered dict)."""
+    model = model_class(config)
+    model.load_state_dict(state_dict)
+    return model
