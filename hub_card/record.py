@@ -5,7 +5,9 @@ renamed training argument fails where the record is written, not silently in the
 these fields (a test walks `card.py` and checks every `run.<section>.<field>` it reads against them).
 
 Version 1 is the untyped run.json written before the schema existed (no `schema_version`); it is read by
-mapping its keys onto version 2, so older folders still get a full card.
+mapping its keys onto version 2, so older folders still get a full card. Version 3 added to `training` why the
+run stopped, the step exported, the best step, and gradient checkpointing / torch.compile; a version-2 record
+reads as version 3 with their defaults.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -71,6 +73,11 @@ class TrainingRecord:
     tokens_seen: int
     train_seconds: float
     wall_seconds: float
+    stop_reason: str = "max_steps"  # why it stopped: "max_steps" or "early_stopping" (version 3)
+    exported_step: int | None = None  # the step whose weights the folder holds, and `metrics` describe
+    best_step: int | None = None  # the evaluation with the lowest validation loss
+    gradient_checkpointing: bool = False
+    compiled: bool = False  # trained under torch.compile
 
 
 @dataclass
@@ -125,8 +132,10 @@ class RunRecord:
         version = values.get("schema_version", 1)
         if version == 1:
             values = _upgrade_v1(values)
+        elif version == 2:  # version 3 added fields with defaults to `training`
+            values = {**values, "schema_version": SCHEMA_VERSION}
         elif version != SCHEMA_VERSION:
-            raise ValueError(f"run.json has schema_version {version}; this Deriv reads 1 and {SCHEMA_VERSION}")
+            raise ValueError(f"run.json has schema_version {version}; this Deriv reads 1 to {SCHEMA_VERSION}")
         return _build(cls, values, "run.json")
 
 

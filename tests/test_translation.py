@@ -253,7 +253,7 @@ def test_trained_folder_records_bleu_against_the_copy_baseline(translation_run):
     record = json.loads((out / "run.json").read_text())
     assert record["task"] == "translation"
     assert record["data"]["skipped_empty"] == 2
-    assert record["data"]["unit"] == "pairs" and record["schema_version"] == 2
+    assert record["data"]["unit"] == "pairs" and record["schema_version"] == 3
     assert sum(record["data"][split] for split in ("train", "validation", "test")) == 6 * 5 * 12
     metrics = record["metrics"]
     assert metrics["test_pairs"] == record["data"]["test"] > 0

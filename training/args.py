@@ -60,6 +60,27 @@ def _choice(args, name: str) -> None:
         raise ValueError(f"`{name}` must be one of {', '.join(allowed)}; got {getattr(args, name)!r}")
 
 
+# The pip package of each accelerate tracker whose name is not its package's.
+TRACKER_PACKAGES = {"comet_ml": "comet-ml"}
+
+
+def check_tracker(name: str) -> None:
+    """`name` is one of accelerate's trackers (`LoggerType`), `all` or `none`; a tracker is refused in one line,
+    naming what to install, when its package is not (accelerate's own `is_<tracker>_available`)."""
+    if name == "none":
+        return
+    import accelerate.utils
+    from accelerate.utils import LoggerType
+
+    trackers = [t.value for t in LoggerType]
+    if name not in trackers:
+        raise ValueError(f"`report_to` must be one of none, {', '.join(trackers)}; got {name!r}")
+    available = getattr(accelerate.utils, f"is_{name}_available", lambda: True)
+    if not available():
+        package = TRACKER_PACKAGES.get(name, name)
+        raise ValueError(f"`report_to` {name}: the {package} package is not installed; pip install {package}")
+
+
 @dataclass
 class RunArguments(Checked):
     _argument_group_name = "run: where it goes, how it is observed and saved"
@@ -71,7 +92,18 @@ class RunArguments(Checked):
     eval_every: int = arg(100, "optimizer steps between validation passes")
     save_every: int = arg(200, "optimizer steps between checkpoints")
     keep_checkpoints: int = arg(2, "checkpoints kept (older ones are removed)")
-    report_to: Literal["none", "tensorboard"] = arg("none", "also log to tensorboard (needs the tensorboard package)")
+    report_to: str = arg(
+        "none",
+        "also log to one of accelerate's trackers (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, "
+        "trackio, swanlab), `all` of those installed, or `none`",
+    )
+    early_stopping_patience: int | None = arg(
+        None, "stop when this many evaluations in a row have not lowered the best validation loss (0 or none: off)"
+    )
+    early_stopping_threshold: float = arg(0.0, "an evaluation improves only by lowering the best loss by more")
+    export: Literal["last", "best"] = arg(
+        "last", "the weights exported: the last step's, or the evaluation's with the lowest validation loss"
+    )
     resume: bool = arg(False, "continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints")
     samples: int = arg(3, "texts generated (or translated) at the end")
     progress: bool = arg(True, "show progress bars")
@@ -79,7 +111,10 @@ class RunArguments(Checked):
     def check(self) -> None:
         _positive(self, "log_every", "eval_every", "save_every", "keep_checkpoints")
         check_range("samples", self.samples, minimum=0, integral=True)
-        _choice(self, "report_to")
+        check_range("early_stopping_patience", self.early_stopping_patience or 0, minimum=0, integral=True)
+        check_range("early_stopping_threshold", self.early_stopping_threshold, minimum=0)
+        _choice(self, "export")
+        check_tracker(self.report_to)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -172,6 +207,8 @@ class OptimizationArguments(Checked):
     max_grad_norm: float = arg(1.0, "gradients are clipped to this global norm")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = arg("auto", "auto: bf16 where the GPU supports it")
     seed: int = arg(1234, "seeds every random number generator, the data split and the shuffle")
+    gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward: less memory")
+    compile: bool = arg(False, "torch.compile the model for training (on the CPU this needs a C++ compiler)")
 
     def check(self) -> None:
         _positive(self, "batch_size", "gradient_accumulation_steps", "max_steps")

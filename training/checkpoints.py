@@ -41,6 +41,9 @@ class TrainerState:
     tokens_seen: int = 0  # target tokens, all processes
     train_seconds: float = 0.0
     best_val_loss: float = math.inf
+    best_step: int | None = None  # the evaluation with the lowest validation loss
+    evals_without_improvement: int = 0  # early stopping's count, kept here so that resume continues it
+    stop_reason: str | None = None  # "early_stopping" once it stops the run; None: it runs to max_steps
     history: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
@@ -119,9 +122,13 @@ class Checkpoints:
                 shutil.rmtree(path)
         self.accelerator.wait_for_everyone()
 
-    def save(self, state: TrainerState, scheduler) -> str:
-        """save_state into a temporary folder, then rename it into place; older ones beyond `keep` are removed."""
-        final = os.path.join(self.folder, f"step-{state.step:07d}")
+    def at(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step:07d}")
+
+    def save(self, state: TrainerState, scheduler, protect: int | None = None) -> str:
+        """save_state into a temporary folder, then rename it into place; older ones beyond `keep` are removed,
+        but for the checkpoint of step `protect` (`--export best` keeps the best evaluation's this way)."""
+        final = self.at(state.step)
         partial = os.path.join(self.folder, f".partial-step-{state.step:07d}")
         accelerator = self.accelerator
         if accelerator.is_main_process:
@@ -145,7 +152,8 @@ class Checkpoints:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             for old in self.found()[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if protect is None or old != self.at(protect):
+                    shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
         return final
 
@@ -155,6 +163,19 @@ class Checkpoints:
         is registered for its pickled custom objects. The scheduler and trainer state are JSON. A sharded
         (FSDP) checkpoint's `.metadata` index, which torch unpickles as it is, is read first with only its own
         classes allowed (`check_sharded_metadata`)."""
+        self.load_weights(path)
+        try:
+            with open(os.path.join(path, STATE_FILE)) as f:
+                state.load_state_dict(json.load(f))
+            with open(os.path.join(path, SCHEDULER_FILE)) as f:
+                scheduler.load_state_dict(json.load(f))
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"Cannot resume from {path}: its trainer or scheduler state is unreadable ({error})"
+            ) from error
+
+    def load_weights(self, path: str) -> None:
+        """The weights, optimizer and RNG states of the checkpoint at `path` (accelerate's part), safely."""
         try:
             check_sharded_metadata(path)
             self.accelerator.load_state(path)
@@ -167,15 +188,6 @@ class Checkpoints:
             raise ValueError(
                 f"Cannot resume from {path}: it does not match this model or optimizer ({error}). Resume with "
                 "the arguments the run was started with, or start afresh in another --output-dir."
-            ) from error
-        try:
-            with open(os.path.join(path, STATE_FILE)) as f:
-                state.load_state_dict(json.load(f))
-            with open(os.path.join(path, SCHEDULER_FILE)) as f:
-                scheduler.load_state_dict(json.load(f))
-        except (OSError, ValueError) as error:
-            raise ValueError(
-                f"Cannot resume from {path}: its trainer or scheduler state is unreadable ({error})"
             ) from error
 
 

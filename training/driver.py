@@ -44,8 +44,11 @@ def run(args, task, cpu: bool = False) -> str:
     )
     trainer.train(model, task, train_dataset, eval_dataset)
     accelerator.wait_for_everyone()
-    # A collective: under FSDP or DeepSpeed ZeRO-3 the full weights are gathered from every process.
-    state_dict = accelerator.get_state_dict(trainer.model)
+    if args.export == "best" and trainer.state.best_step != trainer.state.step:
+        trainer.load_best()
+    # A collective: under FSDP or DeepSpeed ZeRO-3 the full weights are gathered from every process. Not from
+    # the compiled wrapper, whose weight names would all start `_orig_mod.`.
+    state_dict = accelerator.get_state_dict(trainer.uncompiled())
     if accelerator.is_main_process:
         finish(trainer, task, tokenizer, state_dict, time.perf_counter() - started)
     accelerator.wait_for_everyone()
@@ -86,17 +89,24 @@ def load_or_train_tokenizer(args, texts, accelerator):
 def finish(trainer, task, tokenizer, state_dict, seconds: float) -> None:
     """Main process: the trained model's defaults, metrics and run record, the exported folder, samples."""
     args, accelerator, state = trainer.args, trainer.accelerator, trainer.state
-    model = accelerator.unwrap_model(trainer.model)
+    model = trainer.unwrapped()
     if accelerator.distributed_type == DistributedType.FSDP:
         # A sharded model runs only with every process taking part; what follows runs on this one alone.
         model, state_dict = whole_model(task.model_class, model.config, state_dict), None
     model.eval()
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_disable()  # a training setting, not the exported model's
     model.generation_config = task.generation_config(model, tokenizer)
-    final = next((r for r in reversed(state.history) if "val_loss" in r), {})
+    evaluated = [r for r in state.history if "val_loss" in r]
+    exported = state.best_step if args.export == "best" and state.best_step is not None else state.step
+    # the metrics of the exported weights: the best evaluation's with --export best, else the last one's
+    final = next((r for r in reversed(evaluated) if r["step"] == exported), evaluated[-1] if evaluated else {})
     metrics = {"val_loss": final.get("val_loss"), "val_perplexity": final.get("val_perplexity")}
     metrics.update(task.final_metrics(model, tokenizer))
     ratio = characters_per_token(tokenizer, task.sample_texts())
-    record = run_record(task, args, task.record_data(), tokenizer, ratio, model, state, accelerator, seconds, metrics)
+    record = run_record(
+        task, args, task.record_data(), tokenizer, ratio, model, state, accelerator, seconds, metrics, exported
+    )
     export_folder(
         args.output_dir, model, state_dict, tokenizer, record, state.history, accelerator.print, task.pipeline_class
     )

@@ -54,7 +54,9 @@ def _portable(path: str, run_dir: str) -> str:
     return os.path.basename(path.rstrip(os.sep)) or path
 
 
-def run_record(task, args, data: dict, tokenizer, chars_per_token, model, state, accelerator, seconds, metrics):
+def run_record(
+    task, args, data: dict, tokenizer, chars_per_token, model, state, accelerator, seconds, metrics, exported_step
+):
     """What produced an exported folder (run.json, the `hub_card.record` schema): the card reads it."""
     import accelerate
     import datasets
@@ -86,7 +88,7 @@ def run_record(task, args, data: dict, tokenizer, chars_per_token, model, state,
             seed=args.seed,
             label_smoothing=getattr(args, "label_smoothing", None),
         ),
-        training=TrainingRecord(state.step, state.tokens_seen, state.train_seconds, seconds),
+        training=training_record(args, state, seconds, exported_step),
         hardware=HardwareRecord(
             device=str(accelerator.device),
             processes=accelerator.num_processes,
@@ -109,6 +111,21 @@ def run_record(task, args, data: dict, tokenizer, chars_per_token, model, state,
         base_model=args.init_from,  # made portable below, as every path in the record is
     )
     return without_local_paths(record.to_dict(), args.output_dir)
+
+
+def training_record(args, state, seconds: float, exported_step: int) -> TrainingRecord:
+    """How long it ran, why it stopped, whose weights the folder holds, and how it computed."""
+    return TrainingRecord(
+        state.step,
+        state.tokens_seen,
+        state.train_seconds,
+        seconds,
+        stop_reason=state.stop_reason or "max_steps",
+        exported_step=exported_step,
+        best_step=state.best_step,
+        gradient_checkpointing=args.gradient_checkpointing,
+        compiled=args.compile,
+    )
 
 
 def export_folder(output_dir, model, state_dict, tokenizer, record, history, say=print, pipeline_class=None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from contextlib import nullcontext
 
@@ -50,10 +51,12 @@ class Trainer:
 
     def __init__(self, args, cpu: bool = False):
         self.args = args
+        if args.compile:
+            check_compiler()
         self.accelerator = Accelerator(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             mixed_precision=choose_mixed_precision(args.mixed_precision, cpu),
-            log_with="tensorboard" if args.report_to == "tensorboard" else None,
+            log_with=None if args.report_to == "none" else args.report_to,
             project_dir=args.output_dir,
             # seedable sampler: the shuffled order is a function of (seed, epoch), so resume can replay it
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
@@ -84,11 +87,23 @@ class Trainer:
         )
 
     def _prepare(self, model, train_dataset, eval_dataset) -> None:
+        if self.args.gradient_checkpointing:
+            if not model.supports_gradient_checkpointing:
+                raise ValueError(
+                    f"--gradient-checkpointing: {type(model).__name__} does not support activation checkpointing"
+                )
+            # non-reentrant: the checkpointed forward may take keyword arguments and works under torch.compile
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         optimizer, self.scheduler = optimizer_and_schedule(model, self.args)
         # The schedule counts optimizer steps; prepare() would step it once per process, so it stays unprepared.
         self.model, self.optimizer, self.train_dl, self.eval_dl = self.accelerator.prepare(
             model, optimizer, self._loader(train_dataset, train=True), self._loader(eval_dataset, train=False)
         )
+        if self.args.compile:
+            # subtle: compiled here, after prepare's DDP / FSDP wrapping, and not through accelerate's dynamo
+            # plugin, which one process's first Accelerator fixes for every later one. The checkpoints
+            # (save_state) still hold the plain prepared model, so their weight names are its own.
+            self.model = torch.compile(self.model)
         window = self.args.gradient_accumulation_steps
         if len(self.train_dl) < window:
             raise ValueError(
@@ -116,7 +131,9 @@ class Trainer:
                 f.writelines(kept)
         if args.report_to != "none":
             config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
-            accelerator.init_trackers("deriv", config=config)
+            # the trackers that write files write them into the run folder, not the working directory
+            local = {"dvclive": {"dir": os.path.join(args.output_dir, "dvclive"), "save_dvc_exp": False}}
+            accelerator.init_trackers("deriv", config=config, init_kwargs=local)
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -136,7 +153,7 @@ class Trainer:
         self.model.train()
         self._reset_clock()
         with deferred_stop():
-            while self.state.step < self.args.max_steps:
+            while not self._done():
                 for window in self._windows():
                     self._after_step(self._step(window))
         self.bar.close()
@@ -144,6 +161,9 @@ class Trainer:
         if self.args.report_to != "none":
             self.accelerator.end_training()
         return self.state
+
+    def _done(self) -> bool:
+        return self.state.step >= self.args.max_steps or self.state.stop_reason is not None
 
     def _windows(self):
         """The rest of the current epoch, one accumulation window (a list of micro-batches) at a time.
@@ -157,7 +177,7 @@ class Trainer:
             loader = self.accelerator.skip_first_batches(self.train_dl, step_in_epoch * window)
         batches = iter(loader)
         for _ in range(step_in_epoch, self.steps_per_epoch):
-            if self.state.step >= self.args.max_steps:
+            if self._done():
                 return
             start = time.perf_counter()
             micro_batches = [next(batches) for _ in range(window)]
@@ -211,8 +231,11 @@ class Trainer:
         if record is not None:
             self._write(record)
         stop = STOP.received is not None
-        if state.step % args.save_every == 0 or stop:
-            path = self.checkpoints.save(state, self.scheduler)
+        best = args.export == "best" and state.best_step == state.step  # --export best keeps it as a checkpoint
+        if state.step % args.save_every == 0 or stop or best:
+            path = self.checkpoints.save(
+                state, self.scheduler, protect=state.best_step if args.export == "best" else None
+            )
             if stop:
                 self.bar.close()
                 raise TrainingInterrupted(f"{STOP.received} received: saved {path}; continue with --resume")
@@ -246,12 +269,51 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         evaluation = self.evaluate()
-        self.state.best_val_loss = min(self.state.best_val_loss, evaluation["val_loss"])
         self.accelerator.print(
             f"step {self.state.step}: validation loss {evaluation['val_loss']:.4f}, "
             f"perplexity {evaluation['val_perplexity']:.2f}"
         )
+        self._early_stopping(evaluation["val_loss"])
         return evaluation
+
+    def _early_stopping(self, val_loss: float) -> None:
+        """Count the evaluations that did not lower the best loss by more than the threshold; after `patience`
+        of them in a row the run stops (and exports) at the end of this step. The best step is the lowest loss."""
+        state, args = self.state, self.args
+        improved = val_loss < state.best_val_loss - args.early_stopping_threshold
+        state.evals_without_improvement = 0 if improved else state.evals_without_improvement + 1
+        if val_loss < state.best_val_loss:
+            state.best_val_loss, state.best_step = val_loss, state.step
+        patience = args.early_stopping_patience
+        if patience and state.evals_without_improvement >= patience and state.step < args.max_steps:
+            state.stop_reason = "early_stopping"
+            self.accelerator.print(
+                f"early stopping at step {state.step}: {patience} evaluation(s) without a validation loss below "
+                f"{state.best_val_loss:.4f} (step {state.best_step}) by more than {args.early_stopping_threshold}"
+            )
+
+    # ---- what is exported -------------------------------------------------------------------------
+
+    def unwrapped(self):
+        """The trained model itself: no DDP / FSDP wrapper, and not torch.compile's `OptimizedModule` (whose
+        state dict names every weight `_orig_mod.*`; accelerate's unwrap_model keeps it by default)."""
+        return self.accelerator.unwrap_model(self.uncompiled())
+
+    def uncompiled(self):
+        """The prepared model without torch.compile's wrapper (DDP / FSDP stay, for gathering the weights)."""
+        return getattr(self.model, "_orig_mod", self.model)
+
+    def load_best(self) -> int:
+        """`--export best`: put the weights of the best evaluation's checkpoint back into the model."""
+        step = self.state.best_step
+        path = self.checkpoints.at(step)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"--export best: the checkpoint of the best step {step} is gone ({path})")
+        self.checkpoints.load_weights(path)
+        self.accelerator.print(
+            f"exporting the weights of step {step} (validation loss {self.state.best_val_loss:.4f})"
+        )
+        return step
 
     def _write(self, record: dict) -> None:
         self.state.history.append(record)
@@ -281,3 +343,14 @@ class Trainer:
         total_tokens = self.accelerator.reduce(total_tokens, "sum")
         val_loss = (total_loss / total_tokens.clamp(min=1)).item()
         return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+
+
+def check_compiler() -> None:
+    """torch.compile's inductor builds C++ kernels on the CPU (and Triton's launcher on GPUs): without a C++
+    compiler it fails at the first step, deep in a traceback; say so before anything runs."""
+    names = (os.environ.get("CXX"), "g++", "c++", "clang++")
+    if not any(name and shutil.which(name) for name in names):
+        raise ValueError(
+            "--compile needs a C++ compiler (g++ or clang++) and none was found on the PATH; install one "
+            "(e.g. apt-get install g++) or leave out --compile"
+        )
