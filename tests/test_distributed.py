@@ -7,6 +7,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -248,3 +249,87 @@ def test_translation_under_fsdp_trains_like_ddp_and_exports_a_whole_model(tmp_pa
     assert len(ddp) == len(fsdp) == 4 and max(abs(a - b) for a, b in zip(ddp, fsdp, strict=True)) < 1e-3
     for name, tensor in weights["accelerate config"].items():
         torch.testing.assert_close(weights["accelerate fsdp config"][name], tensor, atol=1e-4, rtol=0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_match_one_process(tmp_path, corpus_file, one_process):
+    """docs/training.md's two-machine command, both "machines" this one: one process each, ranks 0 and 1."""
+    args = two_process_args(tmp_path, corpus_file, one_process, "two-nodes")
+    port = str(free_port())
+    nodes = []
+    for rank in ("0", "1"):
+        launcher = [*ACCELERATE, "--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank", rank]
+        launcher += ["--main_process_ip", "127.0.0.1", "--main_process_port", port]
+        nodes.append(
+            subprocess.Popen(
+                [*launcher, "-m", "deriv_lm.cli", *cli_flags(args), "--tokenizer", args.tokenizer],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        )
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "2 process(es) on cpu" in outputs[0]
+    one, two = losses(one_process), losses(args)
+    assert len(two) == 8 and max(abs(a - b) for a, b in zip(one, two, strict=True)) < 1e-3, (one, two)
+
+
+def test_the_deepspeed_config_reaches_accelerates_deepspeed_launcher(tmp_path):
+    """DeepSpeed is not a test dependency: without it, the shipped config gets as far as accelerate's DeepSpeed
+    launcher, which names the package. (With it, on CPU, see the next two tests.)"""
+    if find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed here: the next test covers what happens then")
+    proc = subprocess.run(
+        [*ACCELERATE, "--config_file", os.path.join(CONFIGS, "deepspeed_zero2.yaml"), "-m", "deriv_lm.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "DeepSpeed is not installed" in proc.stderr
+
+
+def test_deepspeed_on_cpu_processes_stops_with_one_line(monkeypatch):
+    """What accelerate 1.15 sets up when DeepSpeed is asked for on CPU processes (a run of one process in each,
+    or no DeepSpeed at all under --cpu): the run stops, naming what was asked and what was set up."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from deriv_lm.training.distributed import settle_distributed_mode
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for mode, processes in ((DistributedType.DEEPSPEED, 1), (DistributedType.MULTI_CPU, 2)):
+        accelerator = SimpleNamespace(distributed_type=mode, num_processes=processes, device="cpu")
+        with pytest.raises(ValueError, match=r"DeepSpeed was asked for with 2 process\(es\); accelerate set up"):
+            settle_distributed_mode(accelerator)
+    settle_distributed_mode(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2))
+
+
+@pytest.mark.skipif(find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_a_deepspeed_launch_on_cpu_stops_before_writing_anything(tmp_path, corpus_file, one_process):
+    args = two_process_args(tmp_path, corpus_file, one_process, "deepspeed")
+    config = tmp_path / "deepspeed.yaml"
+    with open(os.path.join(CONFIGS, "deepspeed_zero2.yaml")) as f:
+        config.write_text(f.read().replace("num_processes: 8", "num_processes: 2").replace("bf16", '"no"'))
+    flags = [flag for flag in cli_flags(args) if flag != "--cpu"]
+    proc = subprocess.run(
+        [*ACCELERATE, "--config_file", str(config), "-m", "deriv_lm.cli", *flags, "--tokenizer", args.tokenizer],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0
+    assert "deriv: error: DeepSpeed was asked for with 2 process(es); accelerate set up" in proc.stderr
+    assert not os.path.exists(args.output_dir)

@@ -8,8 +8,11 @@ do not match what a CPU run was asked for, and this file settles both, once, bef
   backends (`AcceleratorState`, `MULTI_GPU` and its kin). torch's FSDP2 (`fully_shard`) itself runs on CPU
   over gloo, so here the plugin the launcher configured is handed to the state as accelerate does on a GPU.
   Everything after that is accelerate's own FSDP path: wrapping, sharded checkpoints, gathering the weights.
-- **DeepSpeed on CPU** is not run by accelerate at all (its launcher skips DeepSpeed under `--cpu`); a run
-  that was asked for it and did not get it stops with one line rather than train in another mode.
+- **DeepSpeed on CPU.** Under `--cpu` accelerate does not set DeepSpeed up at all. Without it, on a machine
+  with no GPU (accelerate 1.15, DeepSpeed 0.19.8 on its CPU accelerator, 2026-11-26), each of the launched
+  processes comes up as a DeepSpeed run of ONE process, rank 0, though torch's gloo group has them all: every
+  process would act as the main one (write the folder, the checkpoints, the export). Both cases stop here with
+  one line instead of training in a mode nobody asked for.
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ def settle_distributed_mode(accelerator) -> None:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
         accelerator.state.distributed_type = DistributedType.FSDP
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    if _asked("DEEPSPEED") and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise RuntimeError(
-            f"DeepSpeed was asked for, but accelerate set up {accelerator.distributed_type.value} on "
-            f"{accelerator.device}: accelerate runs DeepSpeed only on GPUs (and other accelerators), not on CPU "
-            "processes. Use the FSDP config or DDP (--multi_gpu) on CPU."
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if _asked("DEEPSPEED") and (
+        accelerator.distributed_type != DistributedType.DEEPSPEED or accelerator.num_processes != launched
+    ):
+        raise ValueError(
+            f"DeepSpeed was asked for with {launched} process(es); accelerate set up "
+            f"{accelerator.distributed_type.value} with {accelerator.num_processes} on {accelerator.device}. "
+            "accelerate runs DeepSpeed on GPUs (and other accelerators), not on CPU processes: on CPU use "
+            "training/accelerate_configs/cpu_fsdp.yaml (sharded) or cpu_two_processes.yaml (DDP)."
         )
 
 
