@@ -2,6 +2,7 @@
 
     deriv bench training                       # tiny and small, 30 steps each, on the default corpus
     deriv bench training --compile             # each preset without and with torch.compile, side by side
+    deriv bench training --scaling             # one process against two (torchrun), the threads split evenly
 
 Each preset runs the real training command (`train_lm`: data pipeline, accelerate loop, logging)
 for a few steps with evaluation and checkpoints pushed out of the window; the figures are medians
@@ -11,6 +12,12 @@ parameters) + 12 L d T FLOPs per token against this machine's measured fp32 matm
 With --compile each preset runs twice, eager and compiled: the steady tokens/s of each and their ratio,
 the tokens/s over all the steps (compile time included), and the compile seconds (how much longer the
 compiled run's first interval took than its steady ones, less the same excess of the eager run).
+
+With --scaling each preset runs three times, each a fresh `deriv train lm` process tree: one process with
+one thread, one process with every core's thread, and two processes (torchrun, gloo) with one thread each.
+The scaling efficiency is the two processes' tokens/s over twice the one-thread process's: what data
+parallelism keeps of perfect scaling (the gradient all-reduce, the duplicated work) when each process gets
+the same share of the machine.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=integer(minimum=1), default=30)
     parser.add_argument("--log-every", type=integer(minimum=1), default=5)
     parser.add_argument("--compile", action="store_true", help="also run each preset under torch.compile")
+    parser.add_argument(
+        "--scaling", action="store_true", help="one process against two, the threads split evenly (torchrun)"
+    )
 
 
 def timed_run(preset: str, folder: str, args: argparse.Namespace, compile: bool = False):
@@ -89,9 +99,78 @@ def print_compile_rows(rows: list[tuple], steps: int) -> None:
         )
 
 
+def launched_run(preset: str, folder: str, args: argparse.Namespace, processes: int, threads: int) -> float:
+    """`deriv train lm --preset PRESET` in a fresh process tree (torchrun for several processes); the median
+    tokens/s of its logged intervals after the first. Every process gets `threads` threads."""
+    import subprocess
+    import sys
+
+    output = os.path.join(folder, f"{preset}-{processes}x{threads}")
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    command = [*launcher, "-m", "deriv_lm.cli", "train", "lm", "--cpu", "--preset", preset, "--output-dir", output]
+    command += ["--cache-dir", os.path.join(folder, "cache"), "--max-steps", str(args.steps), "--no-progress"]
+    command += ["--log-every", str(args.log_every), "--eval-every", "1000000000", "--save-every", "1000000000"]
+    command += ["--warmup-steps", "1", "--samples", "0", "--num-proc", "1"]
+    tokenizer = os.path.join(folder, f"{preset}-1x1", "tokenizer")  # the first run's, so all see the same ids
+    if os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
+        command += ["--tokenizer", tokenizer]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(os.path.join(output, "metrics.jsonl")) as f:
+        logs = [json.loads(line) for line in f if "tokens_per_second" in line]
+    return statistics.median(r["tokens_per_second"] for r in logs[1:] or logs)
+
+
+def scaling_rows(args: argparse.Namespace, folder: str, peak: float) -> list[tuple]:
+    """(preset, tokens/s and MFU of 1 process x 1 thread, 1 x all threads, 2 x 1 thread, efficiency)."""
+    from ..training import PRESETS, TrainingArguments
+
+    cores = os.cpu_count() or 1
+    rows = []
+    for preset in args.presets:
+        one = launched_run(preset, folder, args, 1, 1)
+        whole = launched_run(preset, folder, args, 1, cores)
+        two = launched_run(preset, folder, args, 2, max(1, cores // 2))
+        flops = flops_per_token(TrainingArguments(**PRESETS[preset], preset=preset))
+        mfu = [100 * flops * tps / 1e9 / peak for tps in (one, whole, two)]
+        rows.append((preset, one, whole, two, mfu, two / (2 * one)))
+    return rows
+
+
+def print_scaling_rows(rows: list[tuple], steps: int, peak: float) -> None:
+    cores = os.cpu_count() or 1
+    print(
+        f"{steps} steps per run, medians after the first interval; MFU against this machine's fp32 matmul peak "
+        f"with all {cores} cores ({peak:.0f} GFLOP/s)"
+    )
+    print(
+        f"| preset | 1 process x 1 thread | 1 process x {cores} threads | 2 processes x {max(1, cores // 2)} thread "
+        "| scaling efficiency |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for preset, one, whole, two, mfu, efficiency in rows:
+        cells = " | ".join(f"{tps:.0f} tokens/s ({m:.1f}%)" for tps, m in zip((one, whole, two), mfu, strict=True))
+        print(f"| {preset} | {cells} | {efficiency:.2f} |")
+
+
+def flops_per_token(a) -> float:
+    """6 x (matrix parameters) + 12 L d T: a training step's FLOPs per token (the PaLM appendix's count)."""
+    n_matrix = 12 * a.num_hidden_layers * a.hidden_size**2 + a.vocab_size * a.hidden_size
+    return 6 * n_matrix + 12 * a.num_hidden_layers * a.hidden_size * a.context_length
+
+
 def run(args: argparse.Namespace) -> int:
     from .decoder import matmul_peak_gflops
 
+    if args.scaling:
+        peak = matmul_peak_gflops()
+        with tempfile.TemporaryDirectory() as tmp:
+            print_scaling_rows(scaling_rows(args, tmp, peak), args.steps, peak)
+        return 0
     if args.compile:
         with tempfile.TemporaryDirectory() as tmp:
             print_compile_rows(compile_rows(args, tmp), args.steps)
@@ -105,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
             tps = statistics.median(r["tokens_per_second"] for r in logs)
             wait = statistics.median(r["data_wait_share"] for r in logs)
             a = train_args
-            n_matrix = 12 * a.num_hidden_layers * a.hidden_size**2 + a.vocab_size * a.hidden_size
-            flops = 6 * n_matrix + 12 * a.num_hidden_layers * a.hidden_size * a.context_length
+            flops = flops_per_token(a)
             rows.append(
                 (
                     preset,

@@ -73,6 +73,16 @@ def test_training_bench_runs_a_preset_and_prints_its_row(capsys):
     assert row and "%" in row[0] and "| 2048 |" in row[0]
 
 
+def test_training_bench_scaling_runs_one_and_two_processes_and_prints_the_efficiency(capsys):
+    assert main(["bench", "training", "--scaling", "--presets", "tiny", "--steps", "3", "--log-every", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 process x 1 thread |" in out and "| scaling efficiency |" in out
+    row = [line for line in out.splitlines() if line.startswith("| tiny |")][0]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells) == 5 and all("tokens/s" in cell for cell in cells[1:4])
+    assert 0 < float(cells[4]) < 2  # two processes on half a machine each neither stall nor beat two machines
+
+
 def test_seq2seq_bench_prints_the_side_by_side_table(tmp_path, capsys):
     args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64", "--batch", "2"]
     args += [
