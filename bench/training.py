@@ -2,6 +2,7 @@
 
     deriv bench training                       # tiny and small, 30 steps each, on the default corpus
     deriv bench training --compile             # each preset without and with torch.compile, side by side
+    deriv bench training --gradient-checkpointing     # without and with activation recomputation
     deriv bench training --scaling             # one process against two (torchrun), the threads split evenly
 
 Each preset runs the real training command (`train_lm`: data pipeline, accelerate loop, logging)
@@ -12,6 +13,7 @@ parameters) + 12 L d T FLOPs per token against this machine's measured fp32 matm
 With --compile each preset runs twice, eager and compiled: the steady tokens/s of each and their ratio,
 the tokens/s over all the steps (compile time included), and the compile seconds (how much longer the
 compiled run's first interval took than its steady ones, less the same excess of the eager run).
+--gradient-checkpointing does the same for activation recomputation (its warm-up column is about zero).
 
 With --scaling each preset runs three times, each a fresh `deriv train lm` process tree: one process with
 one thread, one process with every core's thread, and two processes (torchrun, gloo) with one thread each.
@@ -40,18 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=integer(minimum=1), default=5)
     parser.add_argument("--compile", action="store_true", help="also run each preset under torch.compile")
     parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="also run each preset with activation recomputation"
+    )
+    parser.add_argument(
         "--scaling", action="store_true", help="one process against two, the threads split evenly (torchrun)"
     )
 
 
-def timed_run(preset: str, folder: str, args: argparse.Namespace, compile: bool = False):
-    """Train `preset` for `args.steps` steps; its arguments and logged intervals (tokens, seconds)."""
+def timed_run(preset: str, folder: str, args: argparse.Namespace, variant: str | None = None):
+    """Train `preset` for `args.steps` steps, with the training flag `variant` (`compile`,
+    `gradient_checkpointing`) on if given; its arguments and logged intervals (tokens, seconds)."""
     from ..training import PRESETS, TrainingArguments, train_lm
 
     values = {
         **PRESETS[preset],
         "preset": preset,
-        "output_dir": os.path.join(folder, preset + ("-compiled" if compile else "")),
+        "output_dir": os.path.join(folder, preset + (f"-{variant}" if variant else "")),
         "max_steps": args.steps,
         "log_every": args.log_every,
         "eval_every": 10**9,
@@ -59,7 +65,7 @@ def timed_run(preset: str, folder: str, args: argparse.Namespace, compile: bool 
         "samples": 0,
         "progress": False,
         "warmup_steps": 1,
-        "compile": compile,
+        **({variant: True} if variant else {}),
     }
     train_args = TrainingArguments(**values)
     train_lm(train_args, cpu=True)
@@ -73,13 +79,14 @@ def timed_run(preset: str, folder: str, args: argparse.Namespace, compile: bool 
     return train_args, logs, intervals
 
 
-def compile_rows(args: argparse.Namespace, folder: str) -> list[tuple]:
-    """(preset, eager tokens/s, compiled tokens/s, both over all steps, compile seconds) for each preset."""
+def variant_rows(args: argparse.Namespace, folder: str, variant: str) -> list[tuple]:
+    """(preset, plain tokens/s, the variant's tokens/s, both over all steps, the variant's extra warm-up seconds)
+    for each preset."""
     rows = []
     for preset in args.presets:
         figures = []
-        for compile in (False, True):
-            _, _, intervals = timed_run(preset, folder, args, compile)
+        for on in (None, variant):
+            _, _, intervals = timed_run(preset, folder, args, on)
             steady = statistics.median(t / s for t, s in intervals[1:])  # tokens/s
             tokens, seconds = sum(t for t, _ in intervals), sum(s for _, s in intervals)
             figures.append((steady, tokens / seconds, intervals[0][1] - intervals[0][0] / steady))
@@ -88,9 +95,10 @@ def compile_rows(args: argparse.Namespace, folder: str) -> list[tuple]:
     return rows
 
 
-def print_compile_rows(rows: list[tuple], steps: int) -> None:
-    print(f"{steps} steps per run; steady: medians after the first interval; all: every step, compiling included")
-    print("| preset | eager tokens/s | compiled tokens/s | ratio | ratio over all steps | compile s |")
+def print_variant_rows(rows: list[tuple], steps: int, variant: str) -> None:
+    name = variant.replace("_", " ")
+    print(f"{steps} steps per run; steady: medians after the first interval; all: every step, warm-up included")
+    print(f"| preset | plain tokens/s | {name} tokens/s | ratio | ratio over all steps | extra warm-up s |")
     print("|---|---:|---:|---:|---:|---:|")
     for preset, eager, compiled, eager_all, compiled_all, seconds in rows:
         print(
@@ -171,10 +179,11 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             print_scaling_rows(scaling_rows(args, tmp, peak), args.steps, peak)
         return 0
-    if args.compile:
-        with tempfile.TemporaryDirectory() as tmp:
-            print_compile_rows(compile_rows(args, tmp), args.steps)
-        return 0
+    for variant in ("compile", "gradient_checkpointing"):
+        if getattr(args, variant):
+            with tempfile.TemporaryDirectory() as tmp:
+                print_variant_rows(variant_rows(args, tmp, variant), args.steps, variant)
+            return 0
     peak = matmul_peak_gflops()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -73,6 +73,16 @@ def test_training_bench_runs_a_preset_and_prints_its_row(capsys):
     assert row and "%" in row[0] and "| 2048 |" in row[0]
 
 
+def test_training_bench_compares_a_training_flag_side_by_side(capsys):
+    args = ["bench", "training", "--gradient-checkpointing", "--presets", "tiny", "--steps", "3", "--log-every", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| preset | plain tokens/s | gradient checkpointing tokens/s | ratio |" in out
+    cells = [c.strip() for c in [line for line in out.splitlines() if line.startswith("| tiny |")][0].split("|")[2:-1]]
+    plain, checkpointed, ratio = float(cells[0]), float(cells[1]), float(cells[2])
+    assert plain > 0 and checkpointed > 0 and ratio == round(checkpointed / plain, 2)
+
+
 def test_training_bench_scaling_runs_one_and_two_processes_and_prints_the_efficiency(capsys):
     assert main(["bench", "training", "--scaling", "--presets", "tiny", "--steps", "3", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
