@@ -24,7 +24,7 @@ class DataRecord:
     corpus: str  # what was read, in words (no absolute paths)
     dataset: str | None  # the `datasets` dataset's name, where the data was one
     unit: str  # what the split counts: "blocks" (language model) or "pairs" (translation)
-    train: int
+    train: int | None  # None: streamed, the training data has no length
     validation: int
     test: int | None
     context_length: int
@@ -32,6 +32,8 @@ class DataRecord:
     dropped_too_long: int = 0  # pairs dropped as longer than the context
     source_lang: str | None = None
     target_lang: str | None = None
+    streamed: bool = False  # trained from a stream (--streaming), never written to disk
+    validation_documents: int | None = None  # streamed: the validation blocks are the stream's first documents
 
 
 @dataclass
