@@ -9,6 +9,8 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import tempfile
 
 import datasets
@@ -188,6 +190,35 @@ def test_a_killed_and_resumed_stream_sees_the_same_batches(tmp_path, stream_file
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_two_processes_train_on_different_blocks_of_the_stream(tmp_path, stream_file):
+    """accelerate dispatches the stream's batches from process 0: two processes of batch 4 see, step for step,
+    the 8 blocks one process of batch 4 x 2 accumulation steps sees, across several passes. Were a block
+    trained on by both, the losses would part."""
+    common = dict(max_documents=HELD_OUT + 40, max_steps=16, eval_every=100, save_every=100, dropout=0.0)
+    one = stream_args(tmp_path / "one", stream_file, gradient_accumulation_steps=2, **common)
+    train_lm(one, cpu=True)
+    two = stream_args(tmp_path / "two", stream_file, tokenizer=os.path.join(one.output_dir, "tokenizer"), **common)
+    flags = ["--output-dir", two.output_dir, "--files", str(stream_file), "--tokenizer", two.tokenizer]
+    for name in ("max_documents", "max_steps", "eval_every", "save_every", "dropout", "validation_documents"):
+        flags += ["--" + name.replace("_", "-"), str(getattr(two, name))]
+    for name in ("shuffle_buffer", "context_length", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        flags += ["--" + name.replace("_", "-"), str(getattr(two, name))]
+    for name in ("intermediate_size", "batch_size", "warmup_steps", "learning_rate", "log_every", "samples"):
+        flags += ["--" + name.replace("_", "-"), str(getattr(two, name))]
+    config = pathlib.Path(__file__).parent.parent / "training" / "accelerate_configs" / "cpu_two_processes.yaml"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    proc = subprocess.run(
+        [*launcher, "-m", "deriv_lm.cli", "train", "lm", "--cpu", "--no-progress", "--streaming", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "2 process(es)" in proc.stdout and "pass 1 over the stream ended" in proc.stdout
+    assert train_losses(two) == pytest.approx(train_losses(one), abs=1e-5)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
