@@ -7,7 +7,8 @@ these fields (a test walks `card.py` and checks every `run.<section>.<field>` it
 Version 1 is the untyped run.json written before the schema existed (no `schema_version`); it is read by
 mapping its keys onto version 2, so older folders still get a full card. Version 3 added to `training` why the
 run stopped, the step exported, the best step, and gradient checkpointing / torch.compile; a version-2 record
-reads as version 3 with their defaults.
+reads as version 3 with their defaults. `data.streamed` and `data.validation_documents` (a streamed run, whose
+`data.train` is null) came later within version 3, with defaults, so earlier version-3 records still read.
 """
 
 from __future__ import annotations
