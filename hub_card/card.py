@@ -187,6 +187,12 @@ def _training(folder: ModelFolder) -> str:
             f"{data.test:,} test pairs; {data.skipped_empty} pairs skipped for an empty side and "
             f"{data.dropped_too_long} dropped as longer than {data.context_length} tokens.\n"
         )
+    elif data.streamed:
+        lines.append(
+            f"{data.corpus}, streamed: the first {data.validation_documents:,} documents held out for validation "
+            f"({data.validation:,} blocks of {data.context_length} tokens), the rest read as a stream and packed "
+            "on the fly.\n"
+        )
     else:
         lines.append(
             f"{data.corpus}: {data.train:,} training and {data.validation:,} validation "

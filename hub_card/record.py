@@ -7,7 +7,8 @@ these fields (a test walks `card.py` and checks every `run.<section>.<field>` it
 Version 1 is the untyped run.json written before the schema existed (no `schema_version`); it is read by
 mapping its keys onto version 2, so older folders still get a full card. Version 3 added to `training` why the
 run stopped, the step exported, the best step, and gradient checkpointing / torch.compile; a version-2 record
-reads as version 3 with their defaults.
+reads as version 3 with their defaults. `data.streamed` and `data.validation_documents` (a streamed run, whose
+`data.train` is null) came later within version 3, with defaults, so earlier version-3 records still read.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class DataRecord:
     corpus: str  # what was read, in words (no absolute paths)
     dataset: str | None  # the `datasets` dataset's name, where the data was one
     unit: str  # what the split counts: "blocks" (language model) or "pairs" (translation)
-    train: int
+    train: int | None  # None: streamed, the training data has no length
     validation: int
     test: int | None
     context_length: int
@@ -32,6 +33,8 @@ class DataRecord:
     dropped_too_long: int = 0  # pairs dropped as longer than the context
     source_lang: str | None = None
     target_lang: str | None = None
+    streamed: bool = False  # trained from a stream (--streaming), never written to disk
+    validation_documents: int | None = None  # streamed: the validation blocks are the stream's first documents
 
 
 @dataclass

@@ -141,15 +141,19 @@ def _read_text_file(path: str) -> Iterator[str]:
         yield text
 
 
-def _table_column(path: str, column: str) -> Iterator[str]:
-    """The `column` of a .jsonl/.json/.csv/.parquet file, read with `datasets`."""
+def _table_column(path: str, column: str, streaming: bool = False) -> Iterator[str]:
+    """The `column` of a .jsonl/.json/.csv/.parquet file, read with `datasets` (streamed: row by row, no Arrow
+    cache written)."""
     import datasets
 
     builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}[os.path.splitext(path)[1]]
     try:
-        table = datasets.load_dataset(builder, data_files=path, split="train")
+        table = datasets.load_dataset(builder, data_files=path, split="train", streaming=streaming)
     except Exception as error:  # datasets raises many kinds; the file name is what the user needs
         raise ValueError(f"{path}: cannot be read as {builder} ({error})") from error
+    if streaming:
+        yield from _streamed_column(table, path, column)
+        return
     if column not in table.column_names:
         raise KeyError(f"{path}: no column {column!r}; the columns are {table.column_names}")
     for value in table[column]:
@@ -157,13 +161,32 @@ def _table_column(path: str, column: str) -> Iterator[str]:
             yield value
 
 
-def local_corpus(paths: str | list[str], text_column: str = "text") -> Corpus:
-    """Local files: .txt (the whole file is one document), or the `text_column` of .jsonl/.json/.csv/.parquet."""
+def _streamed_column(table, path: str, column: str) -> Iterator[str]:
+    """A streamed table's column; its columns are known only once a row is read, so the check is on each row."""
+    try:
+        for row in table:
+            if column not in row:
+                raise KeyError(f"{path}: no column {column!r}; the columns are {sorted(row)}")
+            value = row[column]
+            if isinstance(value, str) and value:
+                yield value
+    except KeyError:
+        raise
+    except Exception as error:  # a malformed line surfaces while reading, not while opening
+        raise ValueError(f"{path}: cannot be read ({' '.join(str(error).split())})") from error
+
+
+def local_corpus(paths: str | list[str], text_column: str = "text", streaming: bool = False) -> Corpus:
+    """Local files: .txt (the whole file is one document), or the `text_column` of .jsonl/.json/.csv/.parquet
+    (with `streaming`, read row by row without writing `datasets`' Arrow cache)."""
     files = _expand(paths)
 
     def documents() -> Iterator[str]:
         for path in files:
-            yield from _read_text_file(path) if path.endswith(".txt") else _table_column(path, text_column)
+            if path.endswith(".txt"):
+                yield from _read_text_file(path)
+            else:
+                yield from _table_column(path, text_column, streaming)
 
     return Corpus(f"local: {len(files)} file(s) from {paths}", documents, tuple(files))
 
@@ -247,13 +270,15 @@ def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-config", default=None, help="the dataset's configuration name")
     parser.add_argument("--split", default="train", help="dataset split (default: train)")
     parser.add_argument("--text-column", default="text", help="column holding the text (default: text)")
-    parser.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it whole")
+    parser.add_argument(
+        "--streaming", action="store_true", help="read --files / --dataset as a stream, without an Arrow cache"
+    )
 
 
 def corpus_from_args(args: argparse.Namespace) -> Corpus:
     """The corpus the flags of `add_corpus_arguments` name."""
     if args.files:
-        return local_corpus(args.files, text_column=args.text_column)
+        return local_corpus(args.files, text_column=args.text_column, streaming=getattr(args, "streaming", False))
     if args.dataset:
         return hub_corpus(args.dataset, args.dataset_config, args.split, args.text_column, args.streaming)
     return default_corpus()

@@ -230,15 +230,28 @@ class LanguageModelArguments(Checked):
     concern = "language_model"  # its key in the run record's `arguments`
 
     text_column: str = arg("text", "the column of --files / --dataset that holds the text")
-    streaming: bool = arg(False, "stream --dataset instead of downloading it whole")
+    streaming: bool = arg(
+        False,
+        "train from a stream of --files / --dataset (or the default corpus) without writing it or its tokens to "
+        "disk; the run is as long as --max-steps, passing over the stream again as often as needed",
+    )
     max_documents: int | None = arg(None, "read at most this many documents (the tokenizer too)")
     validation_fraction: float = arg(0.05, "documents held out for validation, before anything is trained")
+    validation_documents: int = arg(256, "--streaming: the stream's first documents, held out for validation")
+    tokenizer_sample: int = arg(10000, "--streaming: a new tokenizer learns from this many training documents")
+    shuffle_buffer: int = arg(1000, "--streaming: blocks in the shuffle buffer, reordered each pass (0: no shuffle)")
     eval_batches: int = arg(20, "validation batches per evaluation")
 
     def check(self) -> None:
         _positive(self, "max_documents", optional=True)
-        _positive(self, "eval_batches")
+        _positive(self, "eval_batches", "validation_documents", "tokenizer_sample")
+        check_range("shuffle_buffer", self.shuffle_buffer, minimum=0, integral=True)
         check_range("validation_fraction", self.validation_fraction, above=0, below=1)
+        if self.streaming and self.max_documents is not None and self.max_documents <= self.validation_documents:
+            raise ValueError(
+                f"`max_documents` ({self.max_documents}) must exceed `validation_documents` "
+                f"({self.validation_documents}): the stream's first documents are held out for validation"
+            )
 
 
 @dataclass

@@ -44,6 +44,8 @@ class TrainerState:
     best_step: int | None = None  # the evaluation with the lowest validation loss
     evals_without_improvement: int = 0  # early stopping's count, kept here so that resume continues it
     stop_reason: str | None = None  # "early_stopping" once it stops the run; None: it runs to max_steps
+    epoch: int = 0  # a stream's pass (its shuffle order); map-style data count epochs from the step instead
+    epoch_start_step: int = 0  # the step at which the stream's current pass began
     history: list = field(default_factory=list)
 
     def state_dict(self) -> dict:

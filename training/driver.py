@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sized
 
 from accelerate.utils import DistributedType
 
@@ -38,8 +39,9 @@ def run(args, task, cpu: bool = False) -> str:
     if args.init_from:
         accelerator.print(f"starting from the weights in {args.init_from}")
     n_params = sum(p.numel() for p in model.parameters())
+    training = len(train_dataset) if isinstance(train_dataset, Sized) else "streamed"  # a stream has no length
     accelerator.print(
-        f"model: {n_params / 1e6:.2f} M parameters; {len(train_dataset)} training and {len(eval_dataset)} "
+        f"model: {n_params / 1e6:.2f} M parameters; {training} training and {len(eval_dataset)} "
         f"validation {task.unit}; {describe(accelerator)}"
     )
     trainer.train(model, task, train_dataset, eval_dataset)

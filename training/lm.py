@@ -2,9 +2,14 @@
 
 documents --split--> train / validation documents --tokenizer trained on train--> packed blocks
           --> Deriv decoder --> the driver --> exported folder
+
+With --streaming the split is the stream's first --validation-documents (validation) and the rest (training,
+read pass after pass as a `datasets.IterableDataset`, never written to disk): `streaming.py`.
 """
 
 from __future__ import annotations
+
+from itertools import islice
 
 import torch
 
@@ -12,6 +17,7 @@ from ..modeling_deriv import DerivConfig, DerivForCausalLM
 from ..tokenization.corpus import corpus_from_args
 from .data import lm_datasets, split_documents
 from .driver import run
+from .streaming import held_out_documents, stream_datasets, tokenizer_sample
 from .task import Task
 
 
@@ -37,14 +43,23 @@ class LanguageModelTask(Task):
         self.collator = collate
 
     def load(self) -> None:
-        self.corpus = corpus_from_args(self.args)
-        self.documents = split_documents(self.corpus, self.args)
+        a = self.args
+        self.corpus = corpus_from_args(a)
+        if a.streaming:  # the first documents are held out (in memory); the rest stays a stream
+            self.held_out = held_out_documents(self.corpus, a.validation_documents, a.max_documents)
+        else:
+            self.documents = split_documents(self.corpus, a)
 
     def tokenizer_texts(self):
+        if self.args.streaming:
+            return tokenizer_sample(self.corpus, self.args)
         return (row["text"] for row in self.documents["train"])
 
     def datasets(self, tokenizer) -> tuple:
-        self.train, self.validation = lm_datasets(self.documents, tokenizer, self.args)
+        if self.args.streaming:
+            self.train, self.validation = stream_datasets(self.corpus, self.held_out, tokenizer, self.args)
+        else:
+            self.train, self.validation = lm_datasets(self.documents, tokenizer, self.args)
         return self.train, self.validation
 
     def build_model(self, tokenizer) -> DerivForCausalLM:
@@ -90,13 +105,17 @@ class LanguageModelTask(Task):
             corpus=self.corpus.description,
             dataset=a.dataset if a.dataset else None,
             unit=self.unit,
-            train=len(self.train),
+            train=None if a.streaming else len(self.train),  # a stream has no length
             validation=len(self.validation),
             test=None,
             context_length=a.context_length,
+            streamed=a.streaming,
+            validation_documents=a.validation_documents if a.streaming else None,
         )
 
     def sample_texts(self) -> list[str]:
+        if self.args.streaming:
+            return list(islice(tokenizer_sample(self.corpus, self.args), 300))
         return self.documents["train"][:300]["text"]
 
     @torch.no_grad()

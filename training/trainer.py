@@ -15,6 +15,7 @@ The task (`task.py`) supplies the collator, the sampler, how to count target tok
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -76,10 +77,11 @@ class Trainer:
     def _loader(self, dataset, train: bool) -> DataLoader:
         """Shuffled (or the task's length-grouped order) for training; in order, all of it, for evaluation."""
         sampler = self.task.sampler(dataset, self.args.seed) if train else None
+        stream = isinstance(dataset, torch.utils.data.IterableDataset)  # it shuffles itself, if at all
         return DataLoader(
             dataset,
             batch_size=self.args.batch_size,
-            shuffle=train and sampler is None,
+            shuffle=train and sampler is None and not stream,
             sampler=sampler,
             collate_fn=self.task.collator,
             generator=torch.Generator().manual_seed(self.args.seed),
@@ -105,6 +107,9 @@ class Trainer:
             # (save_state) still hold the plain prepared model, so their weight names are its own.
             self.model = torch.compile(self.model)
         window = self.args.gradient_accumulation_steps
+        self.streaming = isinstance(train_dataset, torch.utils.data.IterableDataset)
+        if self.streaming:
+            return  # a stream has no length: passes end when it does (`_stream_windows`)
         if len(self.train_dl) < window:
             raise ValueError(
                 f"The training split gives {len(self.train_dl)} batch(es) per process, fewer than one accumulation "
@@ -169,6 +174,9 @@ class Trainer:
         """The rest of the current epoch, one accumulation window (a list of micro-batches) at a time.
 
         subtle: on resume the loader replays the epoch's shuffled order and skips what was already seen."""
+        if self.streaming:
+            yield from self._stream_windows()
+            return
         window = self.args.gradient_accumulation_steps
         epoch, step_in_epoch = divmod(self.state.step, self.steps_per_epoch)
         self.train_dl.set_epoch(epoch)
@@ -183,6 +191,40 @@ class Trainer:
             micro_batches = [next(batches) for _ in range(window)]
             self.data_wait += time.perf_counter() - start
             yield micro_batches
+
+    def _stream_windows(self):
+        """The rest of the current pass over a stream, a window at a time; when the stream ends (a partial window
+        is dropped), the next pass begins at the next call, `set_epoch` reordering its shuffle buffer by
+        (seed, epoch). The position is (`state.epoch`, steps since `state.epoch_start_step`), JSON in every
+        checkpoint: on resume the pass is read again from its start and the batches already trained on skipped,
+        so the run sees the batches an uninterrupted one would.
+
+        subtle: reading the stream runs under `fork_rng`. The loader draws a seed from the global generator each
+        time it starts a pass; a resumed run starts one at its resume step where the uninterrupted run did not,
+        and that draw would shift every dropout mask after it."""
+        window, state = self.args.gradient_accumulation_steps, self.state
+        self.train_dl.set_epoch(state.epoch)
+        done = state.step - state.epoch_start_step
+        loader = self.accelerator.skip_first_batches(self.train_dl, done * window) if done else self.train_dl
+        batches = iter(loader)
+        while not self._done():
+            start = time.perf_counter()
+            micro_batches = next_window(batches, window)
+            self.data_wait += time.perf_counter() - start
+            if len(micro_batches) < window:
+                break
+            yield micro_batches
+        else:
+            return
+        passed = state.step - state.epoch_start_step
+        if passed == 0:
+            raise ValueError(
+                f"The training stream gives fewer than {window * self.args.batch_size} block(s) of "
+                f"{self.args.context_length} tokens per process, one accumulation window; use a longer stream, "
+                "a smaller --batch-size or a shorter --context-length."
+            )
+        state.epoch, state.epoch_start_step = state.epoch + 1, state.step
+        self.accelerator.print(f"pass {state.epoch} over the stream ended after {passed} step(s); another begins")
 
     def _step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over a window: the loss is averaged over every target token of the window on
@@ -343,6 +385,18 @@ class Trainer:
         total_tokens = self.accelerator.reduce(total_tokens, "sum")
         val_loss = (total_loss / total_tokens.clamp(min=1)).item()
         return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+
+
+def next_window(batches, window: int) -> list:
+    """Up to `window` micro-batches from a stream's loader; fewer (or none) when the stream ends."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return list(itertools.islice(batches, window))
+    except ValueError as error:
+        # accelerate's dispatcher says so, instead of ending, when a pass holds no batch at all
+        if "does not contain any data" not in str(error):
+            raise
+        return []
 
 
 def check_compiler() -> None:
