@@ -17,6 +17,7 @@ from test_training import cli_flags, tiny_args
 from deriv_lm.hub_card.check import check_folder
 from deriv_lm.training import train_lm
 from deriv_lm.training.checkpoints import check_sharded_metadata
+from deriv_lm.training.distributed import fsdp2_available
 
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "training", "accelerate_configs")
@@ -28,6 +29,10 @@ LAUNCHERS = {
     "accelerate flags": [*ACCELERATE, "--multi_gpu", "--num_processes", "2"],
     "accelerate fsdp config": [*ACCELERATE, "--config_file", os.path.join(CONFIGS, "cpu_fsdp.yaml")],
 }
+
+
+# FSDP on CPU processes is FSDP2 (fully_shard), which accelerate offers from 1.6 on; the oldest set has 1.2.
+needs_fsdp2 = pytest.mark.skipif(not fsdp2_available(), reason="this accelerate has no FSDP2 (fsdp_version)")
 
 
 def launch(args, launcher: list[str], *extra: str) -> str:
@@ -106,6 +111,7 @@ def test_each_documented_launch_starts_two_processes_that_match_one_process(tmp_
         assert abs(a - b) < 1e-3, (one, two)
 
 
+@needs_fsdp2
 def test_fsdp_shards_over_two_cpu_processes_and_follows_the_one_process_run(fsdp_run, one_process):
     args, output = fsdp_run
     assert "2 process(es) on cpu:0, FSDP (version 2)" in output
@@ -122,6 +128,7 @@ def test_fsdp_shards_over_two_cpu_processes_and_follows_the_one_process_run(fsdp
         assert abs(a - b) < 1e-3, (one, fsdp)
 
 
+@needs_fsdp2
 def test_the_fsdp_export_is_the_whole_model_and_loads_in_a_clean_process(fsdp_run, one_process):
     args, _ = fsdp_run
     whole = load_file(os.path.join(args.output_dir, "model.safetensors"))
@@ -143,6 +150,7 @@ def stopped_at_step_4(args, folder):
     return copy
 
 
+@needs_fsdp2
 def test_an_fsdp_run_resumes_from_its_sharded_checkpoint_to_the_same_weights(fsdp_run, tmp_path):
     args, _ = fsdp_run
     resumed = stopped_at_step_4(args, tmp_path)
@@ -181,6 +189,7 @@ def test_a_planted_sharded_index_is_refused_and_never_runs(tmp_path):
     assert not marker.exists()
 
 
+@needs_fsdp2
 def test_resuming_from_a_planted_sharded_checkpoint_stops_before_it_runs(fsdp_run, tmp_path):
     args, _ = fsdp_run
     planted = stopped_at_step_4(args, tmp_path)
@@ -201,6 +210,7 @@ def test_resuming_from_a_planted_sharded_checkpoint_stops_before_it_runs(fsdp_ru
     assert not os.path.exists(os.path.join(planted.output_dir, "model.safetensors"))
 
 
+@needs_fsdp2
 def test_both_models_wrap_their_transformer_blocks_as_fsdp_units():
     from accelerate.utils import FullyShardedDataParallelPlugin
     from conftest import make_model
@@ -221,6 +231,7 @@ def test_both_models_wrap_their_transformer_blocks_as_fsdp_units():
         assert set(plugin.transformer_cls_names_to_wrap) == blocks
 
 
+@needs_fsdp2
 def test_translation_under_fsdp_trains_like_ddp_and_exports_a_whole_model(tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 

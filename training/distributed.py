@@ -32,7 +32,14 @@ def settle_distributed_mode(accelerator) -> None:
     if _asked("FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
         # As AcceleratorState does for GPUs (and mirrors into PartialState, which every later AcceleratorState()
         # copies from): the plugin reads the launcher's FSDP_* variables.
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        plugin = FullyShardedDataParallelPlugin()
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                "FSDP on CPU processes needs FSDP2 (fully_shard; `fsdp_version: 2` in the accelerate config), which "
+                f"this accelerate ({accelerate_version()}) does not offer or was not asked for; use an accelerate "
+                "with FSDP2 or cpu_two_processes.yaml (DDP)."
+            )
+        accelerator.state.fsdp_plugin = plugin
         accelerator.state.distributed_type = DistributedType.FSDP
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -47,12 +54,23 @@ def settle_distributed_mode(accelerator) -> None:
         )
 
 
+def accelerate_version() -> str:
+    import accelerate
+
+    return accelerate.__version__
+
+
+def fsdp2_available() -> bool:
+    """Whether the installed accelerate offers FSDP2 (its plugin has `fsdp_version`)."""
+    return "fsdp_version" in FullyShardedDataParallelPlugin.__dataclass_fields__
+
+
 def describe(accelerator) -> str:
     """'2 process(es) on cpu, FSDP (version 2)': what the log and the run record say about the run's mode."""
     mode = accelerator.distributed_type
     text = f"{accelerator.num_processes} process(es) on {accelerator.device}"
     if mode == DistributedType.FSDP:
-        return f"{text}, FSDP (version {accelerator.state.fsdp_plugin.fsdp_version})"
+        return f"{text}, FSDP (version {getattr(accelerator.state.fsdp_plugin, 'fsdp_version', 1)})"
     if mode in (DistributedType.NO,):
         return text
     return f"{text}, {mode.value}"

@@ -204,9 +204,11 @@ class Trainer:
         and that draw would shift every dropout mask after it."""
         window, state = self.args.gradient_accumulation_steps, self.state
         self.train_dl.set_epoch(state.epoch)
-        done = state.step - state.epoch_start_step
-        loader = self.accelerator.skip_first_batches(self.train_dl, done * window) if done else self.train_dl
-        batches = iter(loader)
+        batches = iter(self.train_dl)
+        # subtle: read and dropped here, not through accelerate's skip_first_batches, whose new loader restarts
+        # the stream at pass 0 in older accelerate releases (1.2: the resumed run saw another order)
+        for _ in range(state.step - state.epoch_start_step):
+            next_window(batches, window)
         while not self._done():
             start = time.perf_counter()
             micro_batches = next_window(batches, window)
