@@ -8,6 +8,7 @@ spellings, still accepted and left out of `deriv --help`.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 
 
@@ -32,7 +33,13 @@ def add_kind_arguments(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.description = module.__doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     module.add_arguments(parser)
-    parser.set_defaults(func=lambda args: _module(kind).run(args))  # looked up when it runs, not when parsed
+    # looked up when it runs, not when parsed; a partial, not a lambda: the decoder bench sends its parsed
+    # arguments to a spawned process to measure memory, and a lambda cannot be pickled
+    parser.set_defaults(func=functools.partial(run_kind, kind))
+
+
+def run_kind(kind: str, args: argparse.Namespace) -> int:
+    return _module(kind).run(args)
 
 
 def _module(kind: str):

@@ -139,3 +139,14 @@ def test_same_weights_makes_deriv_the_imported_peer_with_the_peers_logits():
             seq2seq.build("marian", args).eval()(**batch).logits,
         )
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_every_benchmarks_parsed_arguments_can_be_sent_to_a_spawned_process():
+    """The decoder bench measures memory in a spawned process, which receives the parsed arguments pickled."""
+    import pickle
+
+    from deriv_lm.cli import parse_args
+
+    for kind in ("decoder", "seq2seq", "tokenizer", "training"):
+        args = parse_args(["bench", kind])
+        assert pickle.loads(pickle.dumps(args)).kind == kind
