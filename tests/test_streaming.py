@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import cli_error
 from safetensors.torch import load_file
+from test_training import tiny_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from deriv_lm.training import TrainingArguments, TrainingInterrupted, train_lm
@@ -43,34 +44,11 @@ def stream_file(tmp_path_factory):
 
 
 def stream_args(out: pathlib.Path, corpus_file, **overrides) -> TrainingArguments:
-    values = dict(
-        output_dir=str(out / "run"),
-        files=[str(corpus_file)],
-        cache_dir=str(out / "cache"),
-        streaming=True,
-        validation_documents=HELD_OUT,
-        tokenizer_sample=100,
-        shuffle_buffer=16,
-        vocab_size=300,
-        context_length=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        batch_size=4,
-        max_steps=10,
-        warmup_steps=2,
-        learning_rate=3e-3,
-        log_every=1,
-        eval_every=5,
-        eval_batches=100,  # the whole validation split
-        save_every=5,
-        samples=0,
-        progress=False,
-        dropout=0.1,
-    )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    """The training tests' tiny run (`tiny_args`), streamed."""
+    streamed = dict(streaming=True, validation_documents=HELD_OUT, tokenizer_sample=100, shuffle_buffer=16)
+    schedule = dict(max_steps=10, log_every=1, eval_every=5, save_every=5, samples=0)
+    # eval_batches 100: the whole validation split
+    return tiny_args(out, corpus_file, **{**streamed, **schedule, "eval_batches": 100, **overrides})
 
 
 def arrow_files(*folders) -> list[str]:
