@@ -35,15 +35,20 @@ LAUNCHERS = {
 needs_fsdp2 = pytest.mark.skipif(not fsdp2_available(), reason="this accelerate has no FSDP2 (fsdp_version)")
 
 
-def launch(args, launcher: list[str], *extra: str) -> str:
-    """`deriv train lm` under `launcher`; the combined output. One thread a process: two share the 2 cores."""
-    proc = subprocess.run(
-        [*launcher, "-m", "deriv_lm.cli", *cli_flags(args), *extra],
+def deriv(launcher: list[str], *command: str) -> subprocess.CompletedProcess:
+    """`deriv COMMAND` under `launcher`. One thread a process: two share the 2 cores."""
+    return subprocess.run(
+        [*launcher, "-m", "deriv_lm.cli", *command],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def launch(args, launcher: list[str], *extra: str) -> str:
+    """`deriv train lm` with `args` under `launcher`, which must succeed; the combined output."""
+    proc = deriv(launcher, *cli_flags(args), *extra)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     return output
@@ -196,14 +201,7 @@ def test_resuming_from_a_planted_sharded_checkpoint_stops_before_it_runs(fsdp_ru
     marker = tmp_path / "ran"
     with open(os.path.join(planted.checkpoint_dir, "step-0000004", "optimizer_0", ".metadata"), "wb") as f:
         pickle.dump(_Planted(marker), f, protocol=4)
-    proc = subprocess.run(
-        [*LAUNCHERS["accelerate fsdp config"], "-m", "deriv_lm.cli", *cli_flags(planted)]
-        + ["--tokenizer", args.tokenizer, "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = deriv(LAUNCHERS["accelerate fsdp config"], *cli_flags(planted), "--tokenizer", args.tokenizer, "--resume")
     assert proc.returncode != 0
     assert "is not plain tensor data and was not loaded" in proc.stdout + proc.stderr
     assert not marker.exists()
@@ -244,13 +242,7 @@ def test_translation_under_fsdp_trains_like_ddp_and_exports_a_whole_model(tmp_pa
     for name in ("accelerate config", "accelerate fsdp config"):
         out = tmp_path / name.replace(" ", "-")
         command = ["train", "translation", "--files", str(data), "--output-dir", str(out), "--cpu", "--no-progress"]
-        proc = subprocess.run(
-            [*LAUNCHERS[name], "-m", "deriv_lm.cli", *command, *flags],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        proc = deriv(LAUNCHERS[name], *command, *flags)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         with open(out / "metrics.jsonl") as f:
             curves[name] = [r["train_loss"] for r in map(json.loads, f) if "train_loss" in r]
@@ -299,12 +291,7 @@ def test_the_deepspeed_config_reaches_accelerates_deepspeed_launcher(tmp_path):
     launcher, which names the package. (With it, on CPU, see the next two tests.)"""
     if find_spec("deepspeed") is not None:
         pytest.skip("deepspeed is installed here: the next test covers what happens then")
-    proc = subprocess.run(
-        [*ACCELERATE, "--config_file", os.path.join(CONFIGS, "deepspeed_zero2.yaml"), "-m", "deriv_lm.cli", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = deriv([*ACCELERATE, "--config_file", os.path.join(CONFIGS, "deepspeed_zero2.yaml")], "--help")
     assert proc.returncode != 0
     assert "DeepSpeed is not installed" in proc.stderr
 
@@ -334,13 +321,7 @@ def test_a_deepspeed_launch_on_cpu_stops_before_writing_anything(tmp_path, corpu
     with open(os.path.join(CONFIGS, "deepspeed_zero2.yaml")) as f:
         config.write_text(f.read().replace("num_processes: 8", "num_processes: 2").replace("bf16", '"no"'))
     flags = [flag for flag in cli_flags(args) if flag != "--cpu"]
-    proc = subprocess.run(
-        [*ACCELERATE, "--config_file", str(config), "-m", "deriv_lm.cli", *flags, "--tokenizer", args.tokenizer],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = deriv([*ACCELERATE, "--config_file", str(config)], *flags, "--tokenizer", args.tokenizer)
     assert proc.returncode != 0
     assert "deriv: error: DeepSpeed was asked for with 2 process(es); accelerate set up" in proc.stderr
     assert not os.path.exists(args.output_dir)
