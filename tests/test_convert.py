@@ -335,14 +335,19 @@ def test_an_imported_marian_gives_the_same_logits(marian_folder, tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-def test_an_imported_marian_translates_to_the_same_tokens_greedy_and_with_beams(marian_folder, tmp_path):
-    source, model = marian_pair(marian_folder, tmp_path)
+def assert_marian_and_deriv_generate_the_same_tokens(folder, tmp_path):
+    """Greedy and 4-beam search (two sequences each) on the Marian folder and on its import: the same tokens."""
+    source, model = marian_pair(folder, tmp_path)
     x = ids(2, 6)
     for options in (dict(num_beams=1), dict(num_beams=4, num_return_sequences=2)):
         kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, **options)
         expected = source.generate(x, attention_mask=torch.ones_like(x), **kwargs)
         got = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
         assert torch.equal(got, expected), options
+
+
+def test_an_imported_marian_translates_to_the_same_tokens_greedy_and_with_beams(marian_folder, tmp_path):
+    assert_marian_and_deriv_generate_the_same_tokens(marian_folder, tmp_path)
 
 
 def test_marian_export_then_import_is_exact_and_the_export_is_plain_marian(marian_folder, tmp_path):
@@ -403,13 +408,7 @@ def test_a_marian_with_two_vocabularies_imports_with_two_and_gives_the_same_logi
 def test_a_marian_with_two_vocabularies_translates_to_the_same_tokens_greedy_and_with_beams(
     marian_two_vocabularies, tmp_path
 ):
-    source, model = marian_pair(marian_two_vocabularies, tmp_path)
-    x = ids(2, 6)
-    for options in (dict(num_beams=1), dict(num_beams=4, num_return_sequences=2)):
-        kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, **options)
-        expected = source.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-        got = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
-        assert torch.equal(got, expected), options
+    assert_marian_and_deriv_generate_the_same_tokens(marian_two_vocabularies, tmp_path)
 
 
 def test_a_marian_with_two_vocabularies_exports_to_two_and_back_exactly(marian_two_vocabularies, tmp_path):
