@@ -358,6 +358,23 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.LongTensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused, saying why, before any request runs: transformers' continuous batching (`generate_batch`,
+        `init_continuous_batching`, `transformers serve --continuous-batching`) is decoder-only.
+
+        Its scheduler packs the tokens of every request into one row and calls the model with `input_ids`, positions
+        and a paged cache that stores self-attention keys and values only. A request is one token list: there is no
+        place in it for a source sentence apart from the target, for each request's encoder states, or for the
+        cross-attention keys and values each decoding step reads, and the model cannot keep them itself because
+        requests join and leave the packed row at every step. Without this, each request fails inside the batch
+        loop with a message about missing `decoder_input_ids`. Translate a padded batch with `generate()`.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot use continuous batching (generate_batch): transformers' continuous "
+            "batching is decoder-only; its paged cache and packed requests have no place for a source sentence, its "
+            "encoder states or the cross-attention keys and values. Translate a padded batch with generate()."
+        )
+
     def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
         """Beam search keeps the best beams after each step, so the target's keys and values follow them.
 

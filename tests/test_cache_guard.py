@@ -110,3 +110,14 @@ def test_continuous_batching_gives_the_tokens_of_generate(decoder):
     assert len(results) == len(expected["prompts"])
     outputs = sorted(results.values(), key=lambda result: int(result.request_id.rsplit("_", 1)[-1]))
     assert [result.generated_tokens for result in outputs] == expected["greedy"]
+
+
+def test_continuous_batching_refuses_the_encoder_decoder_before_any_request(translator):
+    """transformers' continuous batching is decoder-only: the translation model says so at once, instead of
+    failing every request inside the batch loop with a message about `decoder_input_ids`."""
+    model, tokenizer, expected = translator
+    prompts = [tokenizer(source)["input_ids"] for source in expected["sources"][:2]]
+    with pytest.raises(NotImplementedError, match="decoder-only"):
+        model.generate_batch(inputs=prompts, generation_config=GREEDY, progress_bar=False)
+    with pytest.raises(NotImplementedError, match="continuous batching"):
+        model.init_continuous_batching()
