@@ -53,6 +53,11 @@ COMMANDS = (
     ),
     Command("push", "upload an exported folder to the Hugging Face Hub", "hub_card.commands:add_push_arguments"),
     Command(
+        "serve",
+        "serve a language-model folder over HTTP (OpenAI-compatible, streaming, continuous batching)",
+        "serve:add_arguments",
+    ),
+    Command(
         "check",
         "load a folder as a Hub user would (no deriv_lm, offline) and report each step",
         "hub_card.commands:add_check_arguments",
