@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+)
 
 
 DATA = Path(__file__).parent / "data"
@@ -22,6 +28,11 @@ DATA = Path(__file__).parent / "data"
 # Plain greedy decoding, not the folder's generation defaults (the decoder's sample, with a repetition penalty);
 # each continuation is the number in words, then <eos>.
 GREEDY = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=0)
+
+
+# A paged cache of 4 blocks of 256 positions: transformers sizes it from free memory otherwise, which on the CPU is
+# most of the machine's RAM.
+SMALL = ContinuousBatchingConfig(num_blocks=4, max_batch_tokens=512)
 
 
 def load(name: str, model_class):
@@ -106,7 +117,9 @@ def test_continuous_batching_gives_the_tokens_of_generate(decoder):
     """`generate_batch` (paged cache, all prompts in one packed batch) against one-at-a-time `generate()`."""
     model, _, expected = decoder
     with torch.no_grad():
-        results = model.generate_batch(inputs=expected["prompts"], generation_config=GREEDY, progress_bar=False)
+        results = model.generate_batch(
+            inputs=expected["prompts"], generation_config=GREEDY, continuous_batching_config=SMALL, progress_bar=False
+        )
     assert len(results) == len(expected["prompts"])
     outputs = sorted(results.values(), key=lambda result: int(result.request_id.rsplit("_", 1)[-1]))
     assert [result.generated_tokens for result in outputs] == expected["greedy"]
