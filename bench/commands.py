@@ -1,4 +1,4 @@
-"""`deriv bench decoder|seq2seq|tokenizer|training`: the command-line side of the benchmarks.
+"""`deriv bench decoder|seq2seq|tokenizer|training|serving`: the command-line side of the benchmarks.
 
 Each kind is a module of this room with `add_arguments(parser)` and `run(args)`, also runnable alone as
 `python -m deriv_lm.bench.<kind>`. `deriv bench-seq2seq`, `bench-tokenizer` and `bench-training` are the old
@@ -17,6 +17,7 @@ KINDS = {
     "seq2seq": "the encoder-decoder against Hugging Face's MarianMTModel at the same size",
     "tokenizer": "the BPE trainers and encoding",
     "training": "training tokens/s and MFU of the presets on this machine",
+    "serving": "continuous batching (generate_batch, deriv serve) against padded batches and one request at a time",
 }
 
 

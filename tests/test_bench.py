@@ -1,6 +1,7 @@
 """The benchmark runs end to end at a tiny size and prints every row (no timing is asserted)."""
 
 import json
+import re
 
 from deriv_lm.bench import decoder
 from deriv_lm.cli import main
@@ -147,6 +148,20 @@ def test_every_benchmarks_parsed_arguments_can_be_sent_to_a_spawned_process():
 
     from deriv_lm.cli import parse_args
 
-    for kind in ("decoder", "seq2seq", "tokenizer", "training"):
+    for kind in ("decoder", "seq2seq", "tokenizer", "training", "serving"):
         args = parse_args(["bench", kind])
         assert pickle.loads(pickle.dumps(args)).kind == kind
+
+
+def test_serving_bench_compares_batching_in_process_and_over_http(tmp_path, capsys):
+    args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--context", "48", "--vocab", "320"]
+    args += ["--prompts", "5", "--new-tokens", "4", "--repeats", "1", "--clients", "3", "--requests", "1"]
+    assert main(["bench", "serving", *args, "--json", str(tmp_path / "s.json")]) == 0
+    table = capsys.readouterr().out
+    for row in ("padded generate()", "generate_batch", "deriv serve", "deriv serve --continuous-batching"):
+        assert f"| {row} |" in table
+    results = json.loads((tmp_path / "s.json").read_text())
+    # the agreement is reported; that it is complete is tested on a trained model (test_cache_guard.py), where
+    # greedy decoding has no near-ties for two kernels to break differently
+    assert all(re.fullmatch(r"[0-5]/5 same tokens", r["agreement"]) for r in results["batching"])
+    assert all(r["requests_per_s"] > 0 and r["tokens_per_s"] > 0 for r in results["serving"])
