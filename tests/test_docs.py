@@ -27,6 +27,7 @@ BLOCKS = {
     "model.md": 4,
     "tokenizer.md": 2,
     "convert.md": 1,
+    "serving.md": 1,
 }
 
 
