@@ -3,6 +3,9 @@
 import json
 import re
 
+import pytest
+from transformers.utils.import_utils import is_serve_available
+
 from deriv_lm.bench import decoder
 from deriv_lm.cli import main
 
@@ -153,6 +156,9 @@ def test_every_benchmarks_parsed_arguments_can_be_sent_to_a_spawned_process():
         assert pickle.loads(pickle.dumps(args)).kind == kind
 
 
+@pytest.mark.skipif(
+    not is_serve_available(), reason="the serve extra is not installed (pip install 'deriv-lm[serve]')"
+)
 def test_serving_bench_compares_batching_in_process_and_over_http(tmp_path, capsys):
     args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--context", "48", "--vocab", "320"]
     args += ["--prompts", "5", "--new-tokens", "4", "--repeats", "1", "--clients", "3", "--requests", "1"]
