@@ -1,4 +1,4 @@
-"""`deriv bench decoder|seq2seq|tokenizer|training|serving`: the command-line side of the benchmarks.
+"""`deriv bench decoder|seq2seq|tokenizer|training|serving|inference`: the command-line side of the benchmarks.
 
 Each kind is a module of this room with `add_arguments(parser)` and `run(args)`, also runnable alone as
 `python -m deriv_lm.bench.<kind>`. `deriv bench-seq2seq`, `bench-tokenizer` and `bench-training` are the old
@@ -18,6 +18,8 @@ KINDS = {
     "tokenizer": "the BPE trainers and encoding",
     "training": "training tokens/s and MFU of the presets on this machine",
     "serving": "continuous batching (generate_batch, deriv serve) against padded batches and one request at a time",
+    "inference": "prefill and decode tokens/s against GPT-2 (dynamic, static, compiled static cache), the floor, "
+    "KV-cache memory",
 }
 
 

@@ -18,9 +18,31 @@ def side_by_side(title: str, notes: list[str], rows: list[tuple], peer: str, pee
     for name, ours, theirs, unit in rows:
         print(f"| {name:<{width}} | {ours:>10.1f} | {theirs:>10.1f} | {ours / theirs:>6.2f} | {unit} |")
     if json_path:
-        with open(json_path, "w") as f:
-            keys = ("metric", "deriv", peer_key, "unit")
-            json.dump({"title": title, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}, f, indent=2)
+        write_rows_json(json_path, title, rows, peer_key)
+
+
+def write_rows_json(path: str, title: str, rows: list[tuple], peer_key: str, extra: dict | None = None) -> None:
+    """The rows of `side_by_side` as JSON objects, with whatever else a benchmark measured under `extra`'s keys."""
+    keys = ("metric", "deriv", peer_key, "unit")
+    with open(path, "w") as f:
+        json.dump(
+            {"title": title, "rows": [dict(zip(keys, r, strict=True)) for r in rows], **(extra or {})}, f, indent=2
+        )
+
+
+def markdown_table(headers: list[str], rows: list[list], digits: int = 1) -> None:
+    """Print a Markdown table: text cells left-aligned, numbers right-aligned with `digits` decimals."""
+    cells = [[f"{c:.{digits}f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(headers))]
+    print("| " + " | ".join(f"{h:<{w}}" for h, w in zip(headers, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 1) + (":" if n else "-") for w, n in zip(widths, numeric, strict=True)) + "|")
+    for row in cells:
+        print(
+            "| "
+            + " | ".join(f"{c:>{w}}" if n else f"{c:<{w}}" for c, w, n in zip(row, widths, numeric, strict=True))
+            + " |"
+        )
 
 
 def check_json_path(path: str | None) -> None:
