@@ -363,7 +363,8 @@ def check_inputs(
 ) -> None:
     """Fail early, naming the offending value, on ids outside [0, vocab_size) and on positions past the end of the
     position table, instead of an index error deep inside. Skipped under torch.compile, where a data-dependent
-    branch would break the graph. `vocab_size` defaults to the config's (an encoder-decoder's target may differ)."""
+    branch would break the graph. `vocab_size` defaults to the config's (an encoder-decoder's target may differ).
+    The models call it through `embed_checked`, which on the CPU runs it only when a lookup has failed."""
     if torch.compiler.is_compiling():
         return
     vocab_size = vocab_size or config.vocab_size
@@ -380,6 +381,33 @@ def check_inputs(
     if id_range and (id_range[0] < 0 or id_range[1] >= vocab_size):
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)][0].item()
         raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {vocab_size}).")
+
+
+def embed_checked(
+    module: nn.Module,
+    input_ids: torch.LongTensor | None,
+    inputs_embeds: torch.Tensor | None,
+    position_ids: torch.LongTensor,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sqrt(d) E[tokens], PE[positions]): `module`'s two table lookups (or the caller's `inputs_embeds`), with the
+    range checks of `check_inputs` that name a bad id or position.
+
+    subtle: on the CPU the lookup is the check. An index outside a table raises an IndexError there, and only then
+    does `check_inputs` read the values, to turn it into the error that names them; a decode step then pays
+    nothing for its checks (they cost a reduction and a host read of three numbers per step, for each token
+    generated). On an accelerator a bad index is a device-side assert that cannot be caught and poisons the
+    process, so the values are checked before the lookup, as before.
+    """
+    if position_ids.device.type != "cpu":
+        check_inputs(input_ids, position_ids, module.config, vocab_size)
+    try:
+        if inputs_embeds is None:
+            inputs_embeds = module.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d) (or not: GPT-2)
+        return inputs_embeds, module.embed_positions(position_ids)  # (B, T, d)
+    except IndexError:
+        check_inputs(input_ids, position_ids, module.config, vocab_size)  # raises the ValueError naming the value
+        raise
 
 
 def check_mask(attention_mask: torch.Tensor | None, batch: int, length: int, name: str = "attention_mask") -> None:
@@ -433,17 +461,15 @@ class DerivModel(DerivPreTrainedModel):
             # subtle: positions come from `position_ids` when given, because with left padding the
             # first real token of a row is not at index 0; generate() derives them from the mask.
             position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past_seen).unsqueeze(0)
-        check_inputs(input_ids, position_ids, self.config)
         if cache is None or isinstance(cache, Cache):
             check_mask(attention_mask, tokens.shape[0], past_seen + tokens.shape[1])
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d), already scaled by sqrt(d) (or not: GPT-2)
+        inputs_embeds, positions = embed_checked(self, input_ids, inputs_embeds, position_ids)
 
         # M: causal (and padding) mask in the form the chosen attention kernel wants, or None
         # when the kernel's own is_causal path is exact. (The cache goes fourth, where it stands under
         # both of its names.)
         causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
-        hidden_states = self.dropout(inputs_embeds + self.embed_positions(position_ids))  # (B, T, d)
+        hidden_states = self.dropout(inputs_embeds + positions)  # (B, T, d)
         for layer in self.layers:
             hidden_states = layer(hidden_states, causal_mask, cache, **kwargs)
         hidden_states = self.norm(hidden_states)

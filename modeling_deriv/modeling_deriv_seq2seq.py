@@ -40,8 +40,8 @@ from .modeling_deriv import (
     DerivDecoderLayer,
     DerivPreTrainedModel,
     DerivScaledWordEmbedding,
-    check_inputs,
     check_mask,
+    embed_checked,
     mark_output_norm,
     position_embedding,
     take_cache,
@@ -122,10 +122,10 @@ def _embed(module, input_ids, inputs_embeds, past_seen: int, position_ids=None) 
     if position_ids is None:
         position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past_seen).unsqueeze(0)
     # this side's vocabulary: the target's may differ from the source's (share_encoder_decoder_embeddings=False)
-    check_inputs(input_ids, position_ids, module.config, vocab_size=module.embed_tokens.num_embeddings)
-    if inputs_embeds is None:
-        inputs_embeds = module.embed_tokens(input_ids)
-    return inputs_embeds, module.dropout(inputs_embeds + module.embed_positions(position_ids))
+    inputs_embeds, positions = embed_checked(
+        module, input_ids, inputs_embeds, position_ids, vocab_size=module.embed_tokens.num_embeddings
+    )
+    return inputs_embeds, module.dropout(inputs_embeds + positions)
 
 
 class DerivSeq2SeqStack(DerivSeq2SeqPreTrainedModel):

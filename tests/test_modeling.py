@@ -275,6 +275,32 @@ def test_too_long_sequence_is_a_clear_error(tiny_model):
         tiny_model(ids(batch=1, length=65))
 
 
+def test_a_decode_step_still_names_a_bad_id_and_a_position_past_the_table(tiny_model):
+    """The decode step checks through the lookups (no host read per step on the CPU), with the same messages."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=tiny_model.config)
+    with torch.no_grad():
+        tiny_model(ids(batch=1, length=8), cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match=rf"Token id {TINY['vocab_size']} is outside the vocabulary"):
+            tiny_model(torch.tensor([[TINY["vocab_size"]]]), cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="max_position_embeddings=64"):
+            tiny_model(torch.tensor([[5]]), position_ids=torch.tensor([[64]]), cache=cache, use_cache=True)
+
+
+def test_a_good_decode_step_reads_no_values_to_check_them(tiny_model, monkeypatch):
+    """On the CPU `check_inputs` (a reduction and a host read) runs only after a lookup has failed."""
+    from deriv_lm.modeling_deriv import modeling_deriv
+
+    def fail(*args, **kwargs):
+        raise AssertionError("check_inputs ran on good input")
+
+    monkeypatch.setattr(modeling_deriv, "check_inputs", fail)
+    x = ids(batch=1, length=6)
+    out = tiny_model.generate(x, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.shape == (1, 10)
+
+
 def test_exactly_one_of_ids_or_embeds(tiny_model):
     with pytest.raises(ValueError, match="exactly one"):
         tiny_model()
