@@ -67,7 +67,7 @@ COMMANDS = (
     ),
     Command(
         "picture",
-        "pictures of the parts: positions, tokens, temperature, curves",
+        "pictures of the parts: positions, tokens, temperature, curves, kv-memory",
         "viz.commands:add_picture_arguments",
     ),
     Command("tokenizer", "train, show and measure byte-level BPE tokenizers", "tokenization.commands:add_arguments"),

@@ -26,7 +26,7 @@ def add_attention_arguments(att: argparse.ArgumentParser) -> None:
 
 
 def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
-    """`deriv picture positions|tokens|temperature|curves`."""
+    """`deriv picture positions|tokens|temperature|curves|kv-memory`."""
     kinds = pic.add_subparsers(dest="picture", required=True)
     pos = kinds.add_parser("positions", help="the sinusoidal position table and the dot products between positions")
     pos.add_argument("--positions", type=integer(minimum=1), default=64)
@@ -54,6 +54,16 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
     cur.add_argument("folder")
     cur.add_argument("--out", default="curves.png")
     cur.set_defaults(func=_plotting(lambda ns: _done(_curves(ns))))
+    kv = kinds.add_parser(
+        "kv-memory", help="KV-cache memory against context length and batch, Deriv and GPT-2 measured, and the formula"
+    )
+    from ..bench.inference import add_shape_arguments
+
+    add_shape_arguments(kv)
+    kv.add_argument("--positions", type=integer(minimum=1), nargs="+", default=[16, 32, 64, 128, 192, 256])
+    kv.add_argument("--batches", type=integer(minimum=1), nargs="+", default=[1, 8])
+    kv.add_argument("--out", default="kv-memory.png")
+    kv.set_defaults(func=_plotting(lambda ns: _done(_kv_memory(ns))))
 
 
 def add_trust_argument(parser: argparse.ArgumentParser) -> None:
@@ -146,3 +156,14 @@ def _curves(ns):
         return curves(ns.folder, ns.out)
     except FileNotFoundError as error:
         raise SystemExit(str(error)) from error
+
+
+def _kv_memory(ns):
+    # the measurement is the inference bench's (it builds Deriv and GPT-2 at one shape); the drawing is this room's
+    from ..bench.inference import build_models, kv_memory_rows
+    from .pictures import kv_memory
+
+    if max(ns.positions) > ns.context:
+        raise SystemExit(f"--positions {max(ns.positions)}: past the models' --context {ns.context}")
+    rows = kv_memory_rows(build_models(ns), ns, ns.batches, ns.positions)
+    return kv_memory(rows, ns.out, ns.layers, ns.hidden, ns.context)

@@ -135,3 +135,37 @@ def curves(folder: str, path: str) -> str:
     if not plot_losses(history, path):
         pyplot()  # matplotlib is missing: the error that says how to install it
     return path
+
+
+def kv_memory(rows: list[dict], path: str, layers: int, hidden: int, context: int) -> str:
+    """The KV cache's bytes against context length, one panel per batch size: the formula
+    2 x layers x positions x d_model x 4 bytes x batch as a line, each model's measured dynamic cache as marks on
+    it, and the static cache, allocated for the whole context from the first token, flat above it.
+
+    `rows` are `bench.inference.kv_memory_rows`: measured after a real prefill, not computed."""
+    plt = pyplot()
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), dpi=90, squeeze=False)
+    mib = 2**20
+    for ax, batch in zip(axes[0], batches, strict=True):
+        mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["positions"])
+        n = [r["positions"] for r in mine]
+        ax.plot(
+            n, [r["formula"] / mib for r in mine], "-", color="#999999", linewidth=3, label="2 L N d x 4 B x batch"
+        )
+        ax.plot(n, [r["deriv_dynamic"] / mib for r in mine], "o", color="C0", label="Deriv, dynamic cache")
+        ax.plot(
+            n, [r["gpt2_dynamic"] / mib for r in mine], "x", color="C1", markersize=9, label="GPT-2, dynamic cache"
+        )
+        ax.plot(n, [r["deriv_static"] / mib for r in mine], "--", color="C0", label=f"Deriv, static cache ({context})")
+        ax.plot(n, [r["gpt2_static"] / mib for r in mine], ":", color="C1", label=f"GPT-2, static cache ({context})")
+        ax.set_xlabel("positions in the cache (context length N)")
+        ax.set_ylabel("KV-cache memory (MiB)")
+        ax.set_title(f"batch {batch}: {layers} layers, d_model {hidden}, fp32", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
