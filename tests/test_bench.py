@@ -6,7 +6,7 @@ import re
 import pytest
 from transformers.utils.import_utils import is_serve_available
 
-from deriv_lm.bench import decoder
+from deriv_lm.bench import decoder, inference
 from deriv_lm.cli import main
 
 
@@ -41,6 +41,54 @@ def test_bench_prints_the_side_by_side_table(tmp_path, capsys):
         assert row in table
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert all(r["deriv"] > 0 and r["gpt2"] > 0 for r in rows)
+
+
+INFERENCE_TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--context", "32", "--vocab", "64"]
+
+
+def test_inference_bench_prints_prefill_decode_the_floor_and_the_kv_cache(tmp_path, capsys):
+    """Every (batch, path) has a prefill and a decode row, positive; % of floor is decode over batch x floor; the
+    goal ratios divide the right rows. (The compiled path is left out here: compiling takes most of a minute.)"""
+    args = [*INFERENCE_TINY, "--prompt", "4", "--new-tokens", "4", "--batches", "1", "2", "--repeats", "1"]
+    args += ["--paths", "dynamic", "static", "--kv-positions", "8", "16", "--threads", "1"]
+    assert main(["bench", "inference", *args, "--json", str(tmp_path / "i.json")]) == 0
+    out = capsys.readouterr().out
+    for batch in (1, 2):
+        for path in ("dynamic cache", "static cache"):
+            for kind in ("prefill", "decode"):
+                assert f"| {kind} tokens/s, batch {batch}, {path} " in out
+    assert "% of floor" in out and "| batch | N  | formula |" in out
+    result = json.loads((tmp_path / "i.json").read_text())
+    rows = {r["metric"]: r for r in result["rows"]}
+    assert len(rows) == 12 and all(r["deriv"] > 0 and r["gpt2"] > 0 for r in rows.values())
+    floor = result["floor_tokens_per_s_batch1"]
+    for batch in (1, 2):
+        decode, share = (
+            rows[f"decode tokens/s, batch {batch}, static cache"],
+            rows[f"decode, batch {batch}, static cache"],
+        )
+        for kind in ("deriv", "gpt2"):
+            assert share[kind] == pytest.approx(100 * decode[kind] / (batch * floor[kind]))
+    best = max(rows[f"decode tokens/s, batch 1, {p} cache"]["deriv"] for p in ("dynamic", "static"))
+    goal = result["goals"]["deriv_best_over_gpt2_dynamic"]
+    assert goal["ratio"] == pytest.approx(best / rows["decode tokens/s, batch 1, dynamic cache"]["gpt2"])
+    assert "deriv_best_over_gpt2_compiled" not in result["goals"]  # not measured, so not claimed
+    assert [(r["batch"], r["positions"]) for r in result["kv_cache_bytes"]] == [(1, 8), (1, 16), (2, 8), (2, 16)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_kv_cache_holds_exactly_two_layers_positions_d_model_bytes_batch(batch):
+    """Measured after a real prefill: a dynamic cache of N positions holds 2 x L x N x d x 4 bytes x batch, for
+    Deriv and for GPT-2 alike, and a static cache that size for its whole length whatever N is."""
+    parser = decoder.argparse.ArgumentParser()
+    inference.add_arguments(parser)
+    args = parser.parse_args(INFERENCE_TINY)
+    models = inference.build_models(args)
+    for row in inference.kv_memory_rows(models, args, [batch], [1, 7, 32]):
+        formula = 2 * 2 * row["positions"] * 32 * 4 * batch
+        assert row["formula"] == formula
+        assert row["deriv_dynamic"] == row["gpt2_dynamic"] == formula
+        assert row["deriv_static"] == row["gpt2_static"] == 2 * 2 * 32 * 32 * 4 * batch
 
 
 def test_peak_memory_child_reports_a_positive_size():
@@ -151,7 +199,7 @@ def test_every_benchmarks_parsed_arguments_can_be_sent_to_a_spawned_process():
 
     from deriv_lm.cli import parse_args
 
-    for kind in ("decoder", "seq2seq", "tokenizer", "training", "serving"):
+    for kind in ("decoder", "seq2seq", "tokenizer", "training", "serving", "inference"):
         args = parse_args(["bench", kind])
         assert pickle.loads(pickle.dumps(args)).kind == kind
 

@@ -115,6 +115,15 @@ def test_picture_commands_write_pngs_of_the_expected_size(lm_dir, tmp_path):
     assert png_size(out)[0] == int(4.2 * 2 * DPI)
 
 
+def test_kv_memory_picture_is_written(tmp_path):
+    out = tmp_path / "kv.png"
+    shape = ["--layers", "1", "--hidden", "32", "--heads", "2", "--context", "32", "--vocab", "64"]
+    assert (
+        main(["picture", "kv-memory", *shape, "--positions", "8", "32", "--batches", "1", "2", "--out", str(out)]) == 0
+    )
+    assert png_size(out) == (int(5.5 * 2 * DPI), int(4.2 * DPI))
+
+
 def test_curves_are_redrawn_from_metrics(tmp_path, capsys):
     import json
 
