@@ -16,7 +16,8 @@ calls it, greedy, exactly --new-tokens new tokens after a --prompt-token prompt:
 A clock handed to generate() as its streamer reads the time when the prompt goes in, at the first new token
 and at the last one. Prefill is the time to the first token (the forward over the prompt, the cache's set-up,
 the first pick): batch x prompt / time. Decode is the per-token steps after it: batch x (new - 1) / time.
-Repeats interleave the models (who goes first alternates); the table gives medians and Deriv / GPT-2.
+Each repeat runs every path of both models (who goes first alternates); the table gives medians and
+Deriv / GPT-2.
 
 The floor: a decode step must read every weight once, so one step cannot take less than weight bytes /
 memory bandwidth, here measured as the median time of summing a tensor far larger than the caches. A batch
@@ -29,6 +30,7 @@ tensors of every layer) against 2 x layers x N x d_model x bytes per element x b
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -92,8 +94,10 @@ class Clock:
         pass
 
 
+@functools.cache
 def path_kwargs(path: str) -> dict:
-    """generate()'s arguments for one decode path."""
+    """generate()'s arguments for one decode path (one compile config for the run: a model recompiles when its
+    config changes)."""
     if path == "dynamic":
         return {}
     kwargs = {"cache_implementation": "static"}
@@ -229,12 +233,18 @@ def run(args) -> int:
             for kind in KINDS:  # warm-up: the first calls allocate, and the compiled path compiles here
                 for _ in range(2):
                     timed_generate(models[kind], prompt, args.new_tokens, path)
-            times = {kind: [] for kind in KINDS}
-            for i in range(args.repeats):
+        # Each repeat times every path of both models, so that noise on a shared machine falls on all of them alike
+        # and the ratios across paths (the goals) are as fair as the ratios within one.
+        times = {(path, kind): [] for path in args.paths for kind in KINDS}
+        for i in range(args.repeats):
+            for path in args.paths:
                 for kind in KINDS if i % 2 == 0 else KINDS[::-1]:
-                    times[kind].append(timed_generate(models[kind], prompt, args.new_tokens, path))
-            prefill = {k: batch * args.prompt / statistics.median(t[0] for t in times[k]) for k in KINDS}
-            steps = {k: batch * (args.new_tokens - 1) / statistics.median(t[1] for t in times[k]) for k in KINDS}
+                    times[(path, kind)].append(timed_generate(models[kind], prompt, args.new_tokens, path))
+        for path in args.paths:
+            prefill = {k: batch * args.prompt / statistics.median(t[0] for t in times[(path, k)]) for k in KINDS}
+            steps = {
+                k: batch * (args.new_tokens - 1) / statistics.median(t[1] for t in times[(path, k)]) for k in KINDS
+            }
             decode[(path, batch)] = steps
             rows.append(
                 (f"prefill tokens/s, batch {batch}, {PATHS[path]}", prefill["deriv"], prefill["gpt2"], "tok/s")
