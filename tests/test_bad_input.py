@@ -323,6 +323,7 @@ VIZ_CASES = [
     ["picture", "positions", "--positions", "0", "--out", OUT],
     ["picture", "positions", "--dim", "0", "--out", OUT],
     ["picture", "positions", "--dim", "3", "--out", OUT],
+    ["picture", "kv-memory", "--positions", "999", "--out", OUT],
     ["picture", "tokens", "{missing_dir}", "hello", "--out", OUT],
     ["picture", "tokens", "{tok}", "", "--out", OUT],
     ["picture", "temperature", "{lm}", "hello", "--temperatures", "1.0", "--out", OUT],
@@ -349,6 +350,10 @@ BENCH_CASES = [
     ["bench-tokenizer", "--repeats", "0"],
     ["bench-training", "--presets", "huge"],
     ["bench-training", "--steps", "0"],
+    ["bench", "inference", "--new-tokens", "1"],
+    ["bench", "inference", "--kv-positions", "999"],
+    ["bench", "inference", "--prompt", "200", "--new-tokens", "100"],
+    ["bench", "inference", "--paths", "eager"],
 ]
 TOP_CASES = [[], ["bogus"], ["train"], ["tokenizer"], ["picture"]]
 
