@@ -76,7 +76,7 @@ def test_the_folder_is_complete_and_records_its_quantization(source, quantized):
     assert not (quantized / "README.md").exists()  # the card described the float weights
     config = json.loads((quantized / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "torchao"
-    assert config["quantization_config"]["quant_type"]["default"]["_type"] == "Int8DynamicActivationInt8WeightConfig"
+    assert config["quantization_config"]["quant_type"]["default"]["_type"] == "Int8WeightOnlyConfig"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_deriv.DerivForCausalLM"
     assert (quantized / "modeling_deriv.py").is_file()
     assert not [p for p in os.listdir(quantized.parent) if ".partial" in p or p.startswith(".")]
@@ -122,13 +122,13 @@ def test_generate_and_eval_commands_load_it(quantized, tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().out
 
 
-def test_weight_only_scheme(source, tmp_path):
-    out = tmp_path / "wo"
-    assert main(["quantize", str(source), "--out", str(out), "--scheme", "weight-only"]) == 0
+def test_the_dynamic_scheme(source, tmp_path):
+    out = tmp_path / "dynamic"
+    assert main(["quantize", str(source), "--out", str(out), "--scheme", "dynamic"]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["quant_type"]["default"]["_type"] == "Int8WeightOnlyConfig"
+    assert config["quantization_config"]["quant_type"]["default"]["_type"] == "Int8DynamicActivationInt8WeightConfig"
     assert header(out)["model.layers.0.mlp.fc1._weight_qdata"][0] == "I8"
-    expected = quantize_model(source, "weight-only").generate(PROMPTS, max_new_tokens=8, do_sample=False)
+    expected = quantize_model(source, "dynamic").generate(PROMPTS, max_new_tokens=8, do_sample=False)
     got = AutoModelForCausalLM.from_pretrained(out).generate(PROMPTS, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, expected)
 
