@@ -1,4 +1,4 @@
-"""`deriv import` and `deriv export`: the command-line side of the convert room."""
+"""`deriv import`, `deriv export` and `deriv quantize`: the command-line side of the convert room."""
 
 from __future__ import annotations
 
@@ -30,6 +30,25 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run_export)
 
 
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv quantize FOLDER --out DIR [--scheme weight-only|dynamic]`."""
+    parser.description = (
+        "Write a Deriv folder with the weights of its linear layers in int8 (torchao, through transformers' "
+        "TorchAoConfig; needs the quantize extra), as safetensors that AutoModelForCausalLM.from_pretrained "
+        "loads again; the tokenizer, generation config and run record come along."
+    )
+    parser.add_argument("folder", help="a Deriv model folder with float weights")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
+    parser.add_argument(
+        "--scheme",
+        default="weight-only",
+        choices=["weight-only", "dynamic"],
+        help="weight-only: int8 weights widened to float in each call (the default; as fast as fp32 on a small "
+        "CPU); dynamic: int8 weights and int8 activations quantized per token as they arrive (slower there)",
+    )
+    parser.set_defaults(func=run_quantize)
+
+
 def run_import(ns: argparse.Namespace) -> int:
     from .folders import import_model
 
@@ -43,4 +62,15 @@ def run_export(ns: argparse.Namespace) -> int:
 
     out = export_model(ns.folder, ns.to, ns.out)
     print(f"exported {ns.folder} -> {out} ({ns.to})")
+    return 0
+
+
+def run_quantize(ns: argparse.Namespace) -> int:
+    from .quantize import quantize_folder
+
+    try:
+        out = quantize_folder(ns.folder, ns.out, ns.scheme)
+    except ImportError as missing:  # torchao, the quantize extra: one line that says what to install
+        raise SystemExit(str(missing)) from missing
+    print(f"quantized {ns.folder} -> {out} (int8, {ns.scheme}); `deriv card {out}` writes its model card")
     return 0

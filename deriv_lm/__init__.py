@@ -8,7 +8,17 @@ The sub-packages are the rooms of the design card: `deriv_lm.modeling_deriv` (th
 `deriv_lm.bench` (benchmarks against the Hugging Face peers).
 """
 
-from .modeling_deriv import (
+import logging
+
+
+# subtle: where torchao is installed (the quantize extra), transformers imports it to load any model, and two
+# libraries then log on every command: torchao cannot load its CUDA kernels (cutlass, mxfp8) on a CPU build of
+# torch ("Failed to load ....so"; never used on the CPU), and torch warns that torchao registers an enum the old
+# way. Neither is Deriv's to act on; drop just those lines, before the import.
+logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load "))
+logging.getLogger("torch.utils._pytree").addFilter(lambda record: "Calling register_constant()" not in record.msg)
+
+from .modeling_deriv import (  # noqa: E402
     DerivConfig,
     DerivForCausalLM,
     DerivForConditionalGeneration,

@@ -73,6 +73,7 @@ COMMANDS = (
     Command("tokenizer", "train, show and measure byte-level BPE tokenizers", "tokenization.commands:add_arguments"),
     Command("import", "import a GPT-2 checkpoint as a Deriv folder", "convert.commands:add_import_arguments"),
     Command("export", "export a GPT-2-shaped Deriv folder as GPT-2", "convert.commands:add_export_arguments"),
+    Command("quantize", "write a folder with int8 linear weights (CPU)", "convert.commands:add_quantize_arguments"),
     Command(
         "bench",
         "benchmark Deriv against Hugging Face's peers at the same size: decoder, seq2seq, tokenizer, training",
