@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+import torch
 from transformers.utils.import_utils import is_serve_available
 
 from deriv_lm.bench import decoder, inference
@@ -32,6 +33,15 @@ TINY_ARGS = [
     "--gen-repeats",
     "1",
 ]
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """A bench's --threads sets torch's thread count for the process, here the test process: put it back, or a
+    later test's in-process run computes with other threads than its subprocess (other sums, other weights)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_bench_prints_the_side_by_side_table(tmp_path, capsys):
