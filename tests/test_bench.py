@@ -1,6 +1,7 @@
 """The benchmark runs end to end at a tiny size and prints every row (no timing is asserted)."""
 
 import json
+import math
 import re
 
 import pytest
@@ -152,7 +153,9 @@ def test_training_bench_scaling_runs_one_and_two_processes_and_prints_the_effici
     row = [line for line in out.splitlines() if line.startswith("| tiny |")][0]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert len(cells) == 5 and all("tokens/s" in cell for cell in cells[1:4])
-    assert 0 < float(cells[4]) < 2  # two processes on half a machine each neither stall nor beat two machines
+    # a ratio of two timings, printed; no bound on it here (speed is for benchmarks, and a loaded machine once
+    # slowed the one-process run of a 3-step measurement until the ratio read 2.00)
+    assert math.isfinite(float(cells[4])) and float(cells[4]) > 0
 
 
 def test_seq2seq_bench_prints_the_side_by_side_table(tmp_path, capsys):
