@@ -39,6 +39,11 @@ COMMANDS = (
     ),
     Command("generate", "generate text from a trained model folder", "training.commands:add_generate_arguments"),
     Command(
+        "chat",
+        "talk with a language-model folder in its chat template, replies streamed",
+        "training.commands:add_chat_arguments",
+    ),
+    Command(
         "translate", "translate text with a trained translation folder", "training.commands:add_translate_arguments"
     ),
     Command(

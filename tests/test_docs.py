@@ -25,7 +25,7 @@ BLOCKS = {
     "translation.md": 5,
     "hub.md": 4,
     "model.md": 4,
-    "tokenizer.md": 2,
+    "tokenizer.md": 3,
     "convert.md": 1,
     "serving.md": 1,
 }

@@ -23,7 +23,13 @@ from deriv_lm.tokenization import (
     save_tokenizer,
     train_bpe,
 )
-from deriv_lm.tokenization.bpe import to_transformers
+from deriv_lm.tokenization.bpe import (
+    CHAT_TEMPLATE,
+    CHAT_TEMPLATE_WITHOUT_MARKS,
+    ROLE_TOKENS,
+    chat_template_with_generation_marks,
+    to_transformers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +169,88 @@ def test_saved_config_is_readable_by_transformers_4(trained, tmp_path):
     save_tokenizer(trained[0], tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # 4.x does not know TokenizersBackend
-    assert config["chat_template"]  # 4.x before 4.50 reads the template from here only
+    assert config["chat_template"] == CHAT_TEMPLATE  # 4.x before 4.50 reads the template from here only
+    assert (tmp_path / "chat_template.jinja").read_text() == CHAT_TEMPLATE  # the one with the generation marks
 
 
 def test_chat_template_rejects_unknown_roles(hf_tokenizer):
     with pytest.raises(Exception, match="Unknown chat role"):
         hf_tokenizer.apply_chat_template([{"role": "wizard", "content": "x"}], tokenize=False)
+
+
+# ---- the chat template's generation marks ---------------------------------------------------------
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}],
+    [
+        {"role": "system", "content": "You count.\nOnly digits."},
+        {"role": "user", "content": "One?"},
+        {"role": "assistant", "content": " 1, then\n2 漢字 🤗"},
+        {"role": "user", "content": "And <eos> after?"},
+        {"role": "assistant", "content": "3"},
+    ],
+]
+
+
+def plain_rendering(messages: list[dict], add_generation_prompt: bool) -> str:
+    """What Deriv's template has always written, in plain Python: the reference the marked template must equal."""
+    blocks = "".join(f"<|{m['role']}|>\n{m['content']}<eos>\n" for m in messages)
+    return "<bos>" + blocks + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS, ids=lambda m: f"{len(m)}-messages")
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_the_generation_marks_leave_the_rendered_text_unchanged(hf_tokenizer, messages, add_generation_prompt):
+    render = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
+    marked = hf_tokenizer.apply_chat_template(messages, **render)
+    unmarked = hf_tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE_WITHOUT_MARKS, **render)
+    assert "{% generation %}" in CHAT_TEMPLATE and hf_tokenizer.chat_template == CHAT_TEMPLATE
+    assert marked == unmarked == plain_rendering(messages, add_generation_prompt)
+
+
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """The runs of consecutive ids whose mask is 1: [5, 6, 7, 8], [0, 1, 1, 0] -> [[6, 7]]."""
+    runs: list[list[int]] = []
+    for i, (token, bit) in enumerate(zip(ids, mask, strict=True)):
+        if bit:
+            if i == 0 or not mask[i - 1]:
+                runs.append([])
+            runs[-1].append(token)
+    return runs
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS, ids=lambda m: f"{len(m)}-messages")
+def test_the_assistant_mask_is_the_replies_and_their_eos(hf_tokenizer, messages):
+    out = hf_tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    replies = [m["content"] + "<eos>" for m in messages if m["role"] == "assistant"]
+    assert [hf_tokenizer.decode(run) for run in masked_runs(ids, mask)] == replies  # the eos ends each run
+    rest = "<bos>" + "".join(
+        f"<|{m['role']}|>\n" + ("" if m["role"] == "assistant" else m["content"] + "<eos>") + "\n" for m in messages
+    )
+    assert hf_tokenizer.decode([token for token, bit in zip(ids, mask, strict=True) if not bit]) == rest
+    roles = hf_tokenizer.convert_tokens_to_ids(ROLE_TOKENS)
+    assert not any(bit for token, bit in zip(ids, mask, strict=True) if token in roles)  # headers are the prompt's
+    assert mask[0] == 0 and ids[0] == hf_tokenizer.bos_token_id
+
+
+def test_an_old_folder_renders_the_same_and_its_template_can_be_upgraded():
+    folder = os.path.join(os.path.dirname(__file__), "data", "numbers_lm")  # saved before the marks
+    old = AutoTokenizer.from_pretrained(folder)
+    assert old.chat_template == CHAT_TEMPLATE_WITHOUT_MARKS
+    for messages in CONVERSATIONS:
+        assert old.apply_chat_template(messages, tokenize=False) == plain_rendering(messages, False)
+    old.chat_template = chat_template_with_generation_marks(old.chat_template)
+    out = old.apply_chat_template(CONVERSATIONS[2], return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    assert old.decode([t for t, bit in zip(ids, mask, strict=True) if bit]) == "Seven.<eos>"
+    assert chat_template_with_generation_marks(CHAT_TEMPLATE) == CHAT_TEMPLATE
+    mine = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert chat_template_with_generation_marks(mine) == mine  # someone else's template: only they know its turns
+    assert chat_template_with_generation_marks(None) is None
 
 
 def test_save_replaces_an_existing_tokenizer_but_keeps_other_files(trained, tmp_path):

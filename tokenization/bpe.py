@@ -33,8 +33,26 @@ SMALLEST_VOCAB_SIZE = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
 # Far past any model's vocabulary (Gemma's is 256 k); a larger one makes the Rust trainer abort the process.
 LARGEST_VOCAB_SIZE = 1 << 20
 
-# One message per block: <|role|>\n content <eos>\n, after a single <bos>; an unknown role is an error.
+# One message per block: <|role|>\n content <eos>\n, after a single <bos>; an unknown role is an error. What the
+# assistant says, and the <eos> that ends its turn, sits inside {% generation %}: the rendered text is the same, and
+# `apply_chat_template(..., return_assistant_tokens_mask=True)` marks those tokens, the ones a chat fine-tune learns
+# (the <eos> too, or the model never learns to stop; the <|assistant|> header is the prompt's, not the reply's).
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown chat role ' + message['role'] + ': use system, user or assistant') }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+# The template before it marked the assistant's tokens (folders made before issue 19 carry it): the same text.
+CHAT_TEMPLATE_WITHOUT_MARKS = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
@@ -44,6 +62,13 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+
+def chat_template_with_generation_marks(template: str | None) -> str | None:
+    """Deriv's current template in place of its old default, which renders the same text but cannot give the
+    assistant-token mask; any other template (the user's own, or None) is returned as it is, since only its
+    author knows which of its tokens are the assistant's."""
+    return CHAT_TEMPLATE if template == CHAT_TEMPLATE_WITHOUT_MARKS else template
 
 
 def special_tokens_with(extra: Iterable[str] = ()) -> list[str]:

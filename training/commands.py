@@ -9,6 +9,8 @@ from ..arguments import integer, number
 from ..hub_card.folder import load_folder
 from ..tokenization.corpus import add_corpus_arguments, corpus_from_args
 from . import args as training_args
+from .chat import RESET, Conversation, chat
+from .sampling import add_sampling_arguments, penalty_processors, sampling_options, wanted_new_tokens
 
 
 class TaskParser:
@@ -56,19 +58,25 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     """`deriv generate FOLDER PROMPT`."""
     gen.add_argument("folder")
     gen.add_argument("prompt", help="the text to continue; an empty prompt starts from the <bos> token")
-    gen.add_argument("--max-new-tokens", type=integer(minimum=1), default=None)
-    gen.add_argument("--temperature", type=number(minimum=0), default=None, help="0 means greedy")
-    gen.add_argument("--top-k", type=integer(minimum=0), default=None, help="0 keeps every token")
-    gen.add_argument("--top-p", type=number(above=0, maximum=1), default=None)
+    add_sampling_arguments(gen)
     gen.add_argument("--num-beams", type=integer(minimum=1), default=None)
-    gen.add_argument("--repetition-penalty", type=number(above=0), default=None)
-    gen.add_argument("--presence-penalty", type=number(), default=0.0)
-    gen.add_argument("--frequency-penalty", type=number(), default=0.0)
-    gen.add_argument("--greedy", action="store_true", help="no sampling: the most likely token each step")
-    gen.add_argument("--seed", type=integer(minimum=0), default=0)
     gen.add_argument("--no-stream", action="store_true", help="print at the end instead of token by token")
     add_trust_argument(gen)
     gen.set_defaults(func=run_generate)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv chat FOLDER`."""
+    parser.description = (
+        "Talk with a language-model folder: each line you type is a user message; the reply streams as it comes. "
+        "The conversation is kept in the folder's chat template; the oldest turns are dropped when it outgrows the "
+        f"model's context. An empty line or end of input ends it; {RESET} starts over (keeping --system)."
+    )
+    parser.add_argument("folder")
+    parser.add_argument("--system", default=None, help="a system message that opens the conversation")
+    add_sampling_arguments(parser)
+    add_trust_argument(parser)
+    parser.set_defaults(func=run_chat)
 
 
 def add_translate_arguments(tr: argparse.ArgumentParser) -> None:
@@ -127,9 +135,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 def run_generate(ns: argparse.Namespace) -> int:
     import torch
-    from transformers import LogitsProcessorList, TextStreamer
-
-    from ..modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+    from transformers import TextStreamer
 
     loaded = load_folder(ns.folder, seq2seq=False, trust_remote_code=ns.trust_remote_code)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -145,15 +151,8 @@ def run_generate(ns: argparse.Namespace) -> int:
             "which leaves no room for new tokens: shorten the prompt"
         )
     torch.manual_seed(ns.seed)
-    options = {
-        k: getattr(ns, k)
-        for k in ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty")
-        if getattr(ns, k) is not None
-    }
-    if ns.greedy or options.get("temperature") == 0:
-        options.pop("temperature", None)  # temperature 0 is the limit of sampling: the most likely token
-        options["do_sample"] = False
-    wanted = options.get("max_new_tokens", model.generation_config.max_new_tokens) or context
+    options = sampling_options(ns)
+    wanted = wanted_new_tokens(options, model)
     options["max_new_tokens"] = min(wanted, context - len(ids))
     if options["max_new_tokens"] < wanted:
         print(
@@ -161,11 +160,6 @@ def run_generate(ns: argparse.Namespace) -> int:
             f"and the new tokens must fit the context of {context}",
             file=sys.stderr,
         )
-    processors = LogitsProcessorList()
-    if ns.presence_penalty:
-        processors.append(PresencePenaltyLogitsProcessor(ns.presence_penalty))
-    if ns.frequency_penalty:
-        processors.append(FrequencyPenaltyLogitsProcessor(ns.frequency_penalty))
     streaming = not ns.no_stream and options.get("num_beams", 1) == 1
     streamer = TextStreamer(tokenizer, skip_special_tokens=True) if streaming else None
     input_ids = torch.tensor([ids])
@@ -173,12 +167,28 @@ def run_generate(ns: argparse.Namespace) -> int:
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            logits_processor=processors,
+            logits_processor=penalty_processors(ns),
             streamer=streamer,
             **options,
         )
     if streamer is None:
         print(tokenizer.decode(out[0], skip_special_tokens=True))
+    return 0
+
+
+def run_chat(ns: argparse.Namespace) -> int:
+    import torch
+
+    loaded = load_folder(ns.folder, seq2seq=False, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if not tokenizer.chat_template:
+        raise SystemExit(f"{ns.folder} has no chat template (chat_template.jinja): use `deriv generate` with it")
+    options = sampling_options(ns)
+    options["max_new_tokens"] = wanted_new_tokens(options, model)
+    if model.generation_config.eos_token_id is None:
+        options["eos_token_id"] = tokenizer.eos_token_id  # the end of the assistant's turn ends the reply
+    torch.manual_seed(ns.seed)
+    chat(model, tokenizer, Conversation(ns.system), options, penalty_processors(ns))
     return 0
 
 

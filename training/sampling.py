@@ -1,0 +1,56 @@
+"""The sampling flags `deriv generate` and `deriv chat` share, and the `generate()` options they become.
+
+One definition, so the two commands accept the same values, refuse the same mistakes and sample the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..arguments import integer, number
+
+
+OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--max-new-tokens, --temperature, --top-k, --top-p, the penalties, --greedy and --seed; unset ones keep the
+    folder's generation config."""
+    parser.add_argument("--max-new-tokens", type=integer(minimum=1), default=None)
+    parser.add_argument("--temperature", type=number(minimum=0), default=None, help="0 means greedy")
+    parser.add_argument("--top-k", type=integer(minimum=0), default=None, help="0 keeps every token")
+    parser.add_argument("--top-p", type=number(above=0, maximum=1), default=None)
+    parser.add_argument("--repetition-penalty", type=number(above=0), default=None)
+    parser.add_argument("--presence-penalty", type=number(), default=0.0)
+    parser.add_argument("--frequency-penalty", type=number(), default=0.0)
+    parser.add_argument("--greedy", action="store_true", help="no sampling: the most likely token each step")
+    parser.add_argument("--seed", type=integer(minimum=0), default=0)
+
+
+def sampling_options(ns: argparse.Namespace) -> dict:
+    """The flags given, as `generate()` keyword arguments (`num_beams` too where the command has it)."""
+    options = {k: getattr(ns, k) for k in OPTIONS if getattr(ns, k, None) is not None}
+    if ns.greedy or options.get("temperature") == 0:
+        options.pop("temperature", None)  # temperature 0 is the limit of sampling: the most likely token
+        options["do_sample"] = False
+    return options
+
+
+def wanted_new_tokens(options: dict, model) -> int:
+    """How many new tokens the user asked for: the flag, else the folder's generation config, else the context."""
+    wanted = options.get("max_new_tokens", model.generation_config.max_new_tokens)
+    return wanted or model.config.max_position_embeddings
+
+
+def penalty_processors(ns: argparse.Namespace):
+    """The presence and frequency penalties (OpenAI's), which `generate()` has no option for."""
+    from transformers import LogitsProcessorList
+
+    from ..modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+
+    processors = LogitsProcessorList()
+    if ns.presence_penalty:
+        processors.append(PresencePenaltyLogitsProcessor(ns.presence_penalty))
+    if ns.frequency_penalty:
+        processors.append(FrequencyPenaltyLogitsProcessor(ns.frequency_penalty))
+    return processors
