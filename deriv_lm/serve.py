@@ -100,10 +100,10 @@ def _interrupt(signum, frame):
 def wait(server) -> None:
     """Block until the server stops or Ctrl-C, then stop everything it started.
 
-    subtle: transformers' foreground mode returns on Ctrl-C with its continuous-batching threads still running,
-    and the process never exits; so the server runs in its thread and this one stops it, batching included.
-    It polls rather than joins: a `join()` cut short by Ctrl-C leaves the thread reported dead in Python 3.11,
-    and `kill_server` would then leave it running.
+    subtle: the server runs in its thread and this one stops it with `kill_server`, which also stops the
+    continuous-batching manager and unloads the model (transformers' foreground mode stops uvicorn alone), and
+    handles SIGTERM as Ctrl-C. It polls rather than joins: a `join()` cut short by Ctrl-C leaves the thread
+    reported dead in Python 3.11, `kill_server` then skips the shutdown, and the process never exits.
     """
     try:
         while server._thread.is_alive():
