@@ -81,7 +81,8 @@ COMMANDS = (
     Command("quantize", "write a folder with int8 linear weights (CPU)", "convert.commands:add_quantize_arguments"),
     Command(
         "bench",
-        "benchmark Deriv against Hugging Face's peers at the same size: decoder, seq2seq, tokenizer, training",
+        "benchmark Deriv against Hugging Face's peers at the same size: decoder, seq2seq, tokenizer, training, "
+        "inference, serving",
         "bench.commands:add_arguments",
     ),
     # the spellings before `deriv bench KIND`
