@@ -24,12 +24,20 @@ from ..arguments import integer
 from .report import check_json_path, entry_point, side_by_side
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The models' shape and Deriv's two switches, at the benchmark shape: every bench that builds models with
+    `build` takes them (also `deriv picture kv-memory`)."""
     parser.add_argument("--layers", type=integer(minimum=1), default=6)
     parser.add_argument("--hidden", type=integer(minimum=1), default=384)
     parser.add_argument("--heads", type=integer(minimum=1), default=6)
     parser.add_argument("--context", type=integer(minimum=1), default=256)
     parser.add_argument("--vocab", type=integer(minimum=1), default=8192)
+    parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
+    parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_shape_arguments(parser)
     parser.add_argument(
         "--batch", type=integer(minimum=1), default=8, help="training batch size (sequences of --context tokens)"
     )
@@ -40,8 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gen-repeats", type=integer(minimum=1), default=7, help="timed generations per model and batch size"
     )
-    parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
-    parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
     parser.add_argument(
         "--same-weights",
         action="store_true",

@@ -37,6 +37,7 @@ import time
 import torch
 
 from ..arguments import integer
+from .decoder import add_shape_arguments
 from .report import check_json_path, entry_point, markdown_table, side_by_side, write_rows_json
 
 
@@ -46,17 +47,6 @@ PATHS = {
     "compiled": "compiled static cache",
 }
 KINDS = ("deriv", "gpt2")
-
-
-def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    """The models' shape, the decoder bench's defaults (also `deriv picture kv-memory`'s)."""
-    parser.add_argument("--layers", type=integer(minimum=1), default=6)
-    parser.add_argument("--hidden", type=integer(minimum=1), default=384)
-    parser.add_argument("--heads", type=integer(minimum=1), default=6)
-    parser.add_argument("--context", type=integer(minimum=1), default=256)
-    parser.add_argument("--vocab", type=integer(minimum=1), default=8192)
-    parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
-    parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,16 +28,12 @@ import time
 import torch
 
 from ..arguments import integer
-from .decoder import build
+from .decoder import add_shape_arguments, build
 from .report import check_json_path, entry_point
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=integer(minimum=1), default=6)
-    parser.add_argument("--hidden", type=integer(minimum=1), default=384)
-    parser.add_argument("--heads", type=integer(minimum=1), default=6)
-    parser.add_argument("--context", type=integer(minimum=8), default=256)
-    parser.add_argument("--vocab", type=integer(minimum=300), default=8192)
+    add_shape_arguments(parser)
     parser.add_argument("--prompts", type=integer(minimum=1), default=32, help="prompts for generate_batch")
     parser.add_argument("--new-tokens", type=integer(minimum=1), default=64, help="new tokens per prompt")
     parser.add_argument("--repeats", type=integer(minimum=1), default=3, help="timed runs of each (median)")
@@ -46,8 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP part")
     parser.add_argument("--threads", type=integer(minimum=1), default=None, help="torch threads")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    # the decoder bench's model switches, at their defaults
-    parser.set_defaults(hidden_act="relu", pre_norm=False, same_weights=False)
+    parser.set_defaults(same_weights=False)  # `build` asks; this bench builds Deriv alone
 
 
 def mixed_prompts(args, count: int) -> list[list[int]]:

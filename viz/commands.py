@@ -57,7 +57,7 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
     kv = kinds.add_parser(
         "kv-memory", help="KV-cache memory against context length and batch, Deriv and GPT-2 measured, and the formula"
     )
-    from ..bench.inference import add_shape_arguments
+    from ..bench.decoder import add_shape_arguments
 
     add_shape_arguments(kv)
     kv.add_argument("--positions", type=integer(minimum=1), nargs="+", default=[16, 32, 64, 128, 192, 256])
