@@ -37,6 +37,7 @@ import time
 import torch
 
 from ..arguments import integer
+from ..modeling_deriv.modeling_deriv import CACHE_NAME
 from .decoder import add_shape_arguments
 from .report import check_json_path, entry_point, markdown_table, side_by_side, write_rows_json
 
@@ -161,7 +162,8 @@ def measured_cache_bytes(model, batch: int, positions: int, static_length: int |
     else:
         cache = StaticCache(config=config, max_cache_len=static_length)
     ids = torch.randint(0, config.vocab_size, (batch, positions), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    # under the installed transformers' name (`cache` from 5.24, `past_key_values` before): GPT-2 ignores the other
+    model(input_ids=ids, **{CACHE_NAME: cache}, use_cache=True, logits_to_keep=1)
     return cache_bytes(cache)
 
 

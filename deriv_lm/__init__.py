@@ -14,8 +14,11 @@ import logging
 # subtle: where torchao is installed (the quantize extra), transformers imports it to load any model, and two
 # libraries then log on every command: torchao cannot load its CUDA kernels (cutlass, mxfp8) on a CPU build of
 # torch ("Failed to load ....so"; never used on the CPU), and torch warns that torchao registers an enum the old
-# way. Neither is Deriv's to act on; drop just those lines, before the import.
-logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load "))
+# way. With torch before 2.11 (the floor is 2.7) torchao also says it skips its C++ extensions ("Skipping import of
+# cpp extensions"; the int8 CPU path does not use them). None is Deriv's to act on; drop just those lines.
+logging.getLogger("torchao").addFilter(
+    lambda record: not record.getMessage().startswith(("Failed to load ", "Skipping import of cpp extensions"))
+)
 logging.getLogger("torch.utils._pytree").addFilter(lambda record: "Calling register_constant()" not in record.msg)
 
 from .modeling_deriv import (  # noqa: E402
