@@ -34,7 +34,7 @@ class Command(NamedTuple):
 COMMANDS = (
     Command(
         "train",
-        "train a model (lm: the decoder language model; translation: the encoder-decoder)",
+        "train a model (lm: the decoder language model; translation: the encoder-decoder; sft: chat fine-tuning)",
         "training.commands:add_arguments",
     ),
     Command("generate", "generate text from a trained model folder", "training.commands:add_generate_arguments"),

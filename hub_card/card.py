@@ -101,10 +101,16 @@ def eval_results(folder: ModelFolder) -> list[EvalResult]:
     return results
 
 
+def _is_chat(run: RunRecord | None) -> bool:
+    return run is not None and run.task == "chat-sft"
+
+
 def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardData:
     kind = "translation" if folder.is_seq2seq else "causal-lm"
     run = run_of(folder)
     dataset = run.data.dataset if run else None
+    chat = ["conversational", "sft"] if _is_chat(run) else []
+    chat += ["lora"] if _is_chat(run) and run.procedure.lora else []
     return ModelCardData(
         model_name=model_name,
         library_name="transformers",
@@ -112,7 +118,7 @@ def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardDa
         language=_languages(folder),
         license=license,
         datasets=[dataset] if dataset else None,
-        tags=["deriv", kind, "custom_code"] + ([] if run and run.base_model else ["from-scratch"]),
+        tags=["deriv", kind, "custom_code", *chat] + ([] if run and run.base_model else ["from-scratch"]),
         eval_results=eval_results(folder) or None,
         base_model=run.base_model if run else None,
     )
@@ -155,6 +161,17 @@ model = AutoModelForSeq2SeqLM.from_pretrained("{repo}", trust_remote_code=True)
 inputs = tokenizer(["Save changes?"], return_tensors="pt")
 print(tokenizer.batch_decode(model.generate(**inputs, num_beams=4), skip_special_tokens=True))
 ```"""
+    if _is_chat(run_of(folder)):
+        return f"""```python
+from transformers import pipeline
+
+chat = pipeline("text-generation", model="{repo}", trust_remote_code=True)
+messages = [{{"role": "user", "content": "What does `os.path.join` do?"}}]
+print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
+```
+
+The conversation is rendered with the folder's chat template (`chat_template.jinja`); `deriv chat {repo}` talks with
+it in a terminal."""
     return f"""```python
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -187,6 +204,18 @@ def _training(folder: ModelFolder) -> str:
             f"{data.test:,} test pairs; {data.skipped_empty} pairs skipped for an empty side and "
             f"{data.dropped_too_long} dropped as longer than {data.context_length} tokens.\n"
         )
+    elif _is_chat(run):
+        lines.append(
+            f"{data.corpus}: {data.train:,} training and {data.validation:,} validation conversations; "
+            f"{data.dropped_too_long} dropped as longer than {data.context_length} tokens. The loss is on the "
+            "assistant's tokens only (the chat template's `{% generation %}` marks); system and user tokens are "
+            "read, never predicted.\n"
+        )
+        if data.synthetic:
+            lines.append(
+                "**The conversations are synthetic**: made by a program from text that ships with Python, not "
+                "written or checked by people. They teach the shape of a reply, not facts beyond that text.\n"
+            )
     elif data.streamed:
         lines.append(
             f"{data.corpus}, streamed: the first {data.validation_documents:,} documents held out for validation "
@@ -213,6 +242,16 @@ def _training(folder: ModelFolder) -> str:
     ]
     if p.label_smoothing is not None:
         hyper.append(("label smoothing", p.label_smoothing))
+    if p.lora:
+        lora = p.lora
+        kept = "merged into the weights" if lora["export"] == "merged" else "beside the base weights, in `adapter/`"
+        hyper.append(
+            (
+                "LoRA (PEFT)",
+                f"rank {lora['r']}, alpha {lora['alpha']}, dropout {lora['dropout']}, on "
+                f"{', '.join(f'`{t}`' for t in lora['targets'])}; {kept}",
+            )
+        )
     lines.append("| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in hyper) + "\n")
     device = hw.gpu or f"CPU ({hw.processor}, {hw.torch_threads} threads)"
     lines.append("## Compute\n")
@@ -233,6 +272,8 @@ def _evaluation(folder: ModelFolder) -> str:
         return ""
     m = run.metrics
     lines = ["## Evaluation\n"]
+    if _is_chat(run):
+        return "\n".join(lines + _chat_evaluation(m))
     if m.val_perplexity is not None:
         lines.append(f"Validation perplexity: **{m.val_perplexity:.2f}** (loss {m.val_loss:.4f} nats per token).\n")
     if m.bleu is not None:
@@ -254,6 +295,27 @@ def _evaluation(folder: ModelFolder) -> str:
     return "\n".join(lines)
 
 
+def _chat_evaluation(m) -> list[str]:
+    """Before and after: the validation loss per assistant token, and greedy replies to held-out prompts."""
+    lines = []
+    if m.val_loss is not None:
+        before = f"{m.base_val_loss:.4f} before fine-tuning, " if m.base_val_loss is not None else ""
+        lines.append(
+            f"Validation loss per assistant token: {before}**{m.val_loss:.4f}** after "
+            f"(perplexity {m.val_perplexity:.2f}).\n"
+        )
+    if m.conversations:
+        cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines.append("Greedy replies to held-out prompts, before and after fine-tuning:\n")
+        lines.append("| prompt | before | after |\n| --- | --- | --- |")
+        lines += [
+            f"| {cell(c['messages'][-1]['content'])} | {cell(c['before'])} | {cell(c['after'])} |"
+            for c in m.conversations
+        ]
+        lines.append("")
+    return lines
+
+
 def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> ModelCard:
     """The card for the folder at `path`; usage snippets name `repo_id` (default: the folder's name)."""
     folder = read_folder(path)
@@ -262,12 +324,20 @@ def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str
     kind = "encoder-decoder translation model" if folder.is_seq2seq else "decoder-only language model"
     data = card_data(folder, repo.split("/")[-1], license)
     attention = ", cross-attention from the decoder to the encoder" if folder.is_seq2seq else " with a causal mask"
+    run = run_of(folder)
+    made = (
+        f"fine-tuned with Deriv (the `deriv-lm` package) from `{run.base_model}`"
+        if run and run.base_model
+        else "built and trained from scratch with Deriv (the `deriv-lm` package)"
+    )
+    if _is_chat(run):
+        kind = "decoder-only chat model"
     body = f"""
 # {repo.split("/")[-1]}
 
-A Transformer {kind} in the architecture of Vaswani et al. (2017), "Attention Is All You Need", built and
-trained from scratch with Deriv (the `deriv-lm` package): token embedding scaled by sqrt(d_model),
-sinusoidal positions, multi-head scaled dot-product attention{attention},
+A Transformer {kind} in the architecture of Vaswani et al. (2017), "Attention Is All You Need",
+{made}: token embedding scaled by sqrt(d_model), sinusoidal positions,
+multi-head scaled dot-product attention{attention},
 position-wise feed-forward networks, residual connections with LayerNorm, and an output projection tied to the
 embedding. The folder carries its own modeling code, so `transformers` loads it with `trust_remote_code=True`;
 nothing else needs to be installed.

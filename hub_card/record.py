@@ -8,7 +8,8 @@ Version 1 is the untyped run.json written before the schema existed (no `schema_
 mapping its keys onto version 2, so older folders still get a full card. Version 3 added to `training` why the
 run stopped, the step exported, the best step, and gradient checkpointing / torch.compile; a version-2 record
 reads as version 3 with their defaults. `data.streamed` and `data.validation_documents` (a streamed run, whose
-`data.train` is null) came later within version 3, with defaults, so earlier version-3 records still read.
+`data.train` is null) came later within version 3, with defaults, so earlier version-3 records still read; so did
+the chat task's `data.synthetic`, `procedure.lora`, `metrics.base_val_loss` and `metrics.conversations`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DataRecord:
     target_lang: str | None = None
     streamed: bool = False  # trained from a stream (--streaming), never written to disk
     validation_documents: int | None = None  # streamed: the validation blocks are the stream's first documents
+    synthetic: bool = False  # made up from other text (the chat task's embedded default), not written by people
 
 
 @dataclass
@@ -68,6 +70,7 @@ class ProcedureRecord:
     max_grad_norm: float
     seed: int
     label_smoothing: float | None = None
+    lora: dict | None = None  # chat fine-tuning with --lora: r, alpha, dropout, targets, export
 
 
 @dataclass
@@ -109,11 +112,13 @@ class MetricsRecord:
     chrf_signature: str | None = None
     decode_seconds: float | None = None
     examples: list[dict] = field(default_factory=list)  # {"source", "reference", "translation"}
+    base_val_loss: float | None = None  # chat fine-tuning: the --init-from model's validation loss, before
+    conversations: list[dict] = field(default_factory=list)  # {"messages", "before", "after"}: greedy replies
 
 
 @dataclass
 class RunRecord:
-    task: str  # "causal-lm" or "translation"
+    task: str  # "causal-lm", "translation" or "chat-sft"
     arguments: dict  # every training argument, by concern: how to run it again (the card does not read it)
     data: DataRecord
     tokenizer: TokenizerRecord

@@ -273,6 +273,41 @@ class TranslationArguments(Checked):
         check_range("label_smoothing", self.label_smoothing, minimum=0, below=1)
 
 
+@dataclass
+class ChatArguments(Checked):
+    _argument_group_name = "chat fine-tuning"
+    concern = "chat"  # its key in the run record's `arguments`
+
+    messages_column: str = arg("messages", "the column of --files (.jsonl) / --dataset holding each conversation")
+    max_conversations: int | None = arg(None, "read at most this many conversations")
+    validation_fraction: float = arg(0.05, "conversations held out for validation, before anything is trained")
+    packing: bool = arg(
+        False,
+        "put each micro-batch's conversations in one row, positions restarting and attention kept within each "
+        "(no padding), instead of padded rows of similar length",
+    )
+    lora: bool = arg(False, "train LoRA adapters through PEFT (pip install deriv-lm[lora]) instead of every weight")
+    lora_r: int = arg(8, "--lora: the rank of each adapter")
+    lora_alpha: float = arg(16.0, "--lora: the adapters' output is scaled by lora_alpha / lora_r")
+    lora_dropout: float = arg(0.05, "--lora: dropout on the adapters' input")
+    lora_target_modules: list[str] = arg(
+        [], "--lora: the modules to adapt (none: PEFT's default for Deriv, q_proj v_proj; all-linear: every one)"
+    )
+    lora_export: Literal["merged", "adapter"] = arg(
+        "merged",
+        "--lora: export full weights with the adapters merged in, or the base weights with the adapter beside "
+        "them (OUTPUT_DIR/adapter, for PeftModel.from_pretrained)",
+    )
+
+    def check(self) -> None:
+        _positive(self, "max_conversations", optional=True)
+        _positive(self, "lora_r")
+        check_range("lora_alpha", self.lora_alpha, above=0)
+        check_range("lora_dropout", self.lora_dropout, minimum=0, below=1)
+        check_range("validation_fraction", self.validation_fraction, above=0, below=1)
+        _choice(self, "lora_export")
+
+
 SHARED = (RunArguments, DataArguments, TokenizerArguments, ModelArguments, OptimizationArguments)
 
 
@@ -292,6 +327,15 @@ class TranslationTrainingArguments(
     """Everything `deriv train translation` takes, as one object."""
 
     concerns: typing.ClassVar = (*SHARED, TranslationArguments)
+
+
+@dataclass
+class ChatTrainingArguments(
+    ChatArguments, OptimizationArguments, ModelArguments, TokenizerArguments, DataArguments, RunArguments
+):
+    """Everything `deriv train sft` takes, as one object."""
+
+    concerns: typing.ClassVar = (*SHARED, ChatArguments)
 
 
 # Each preset overrides only what differs from the defaults (which are the language model's `tiny`).
@@ -381,7 +425,26 @@ TRANSLATION_PRESETS: dict[str, dict] = {
     ),
 }
 
-PRESETS_OF = {TrainingArguments: PRESETS, TranslationTrainingArguments: TRANSLATION_PRESETS}
+# The chat task's presets (`deriv train sft --preset ...`): fine-tuning the folder `deriv train lm` writes.
+CHAT_PRESETS: dict[str, dict] = {
+    # The tiny language model on the embedded synthetic conversations: minutes on 2 CPU cores.
+    "tiny": dict(
+        output_dir="runs/deriv-tiny-chat",
+        init_from="runs/deriv-tiny",
+        max_steps=300,
+        batch_size=16,
+        learning_rate=3e-4,
+        warmup_steps=30,
+        eval_every=50,
+        save_every=100,
+    ),
+}
+
+PRESETS_OF = {
+    TrainingArguments: PRESETS,
+    TranslationTrainingArguments: TRANSLATION_PRESETS,
+    ChatTrainingArguments: CHAT_PRESETS,
+}
 
 
 def build_parser(kind: type = TrainingArguments, **parser_kwargs):

@@ -1,8 +1,9 @@
-"""`deriv train lm|translation`, `deriv generate`, `deriv translate`, `deriv eval`: the training room's CLI."""
+"""`deriv train lm|translation|sft`, `deriv generate`, `deriv translate`, `deriv eval`: the training room's CLI."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..arguments import integer, number
@@ -52,6 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     training_args.finish_flags(mt, training_args.TranslationTrainingArguments)
     mt.set_defaults(func=run_translation)
+    sft = sub.add_parser(
+        "sft",
+        dataclass_types=training_args.ChatTrainingArguments.concerns,
+        formatter_class=argparse.HelpFormatter,
+        help="fine-tune a language model to chat (no arguments: runs/deriv-tiny on embedded synthetic conversations)",
+        description="Supervised fine-tuning on conversations: --files (.jsonl, a `messages` list per line), "
+        "--dataset (a `messages` column, the Hub's chat layout), or by default synthetic questions on this "
+        "Python's help() topics and standard library answered from their own text. The loss is on the "
+        "assistant's tokens only. --init-from names the folder to fine-tune (default: the one `deriv train lm` "
+        "writes); --lora trains adapters through PEFT instead of every weight. Flags override --config, which "
+        "overrides --preset (tiny).",
+    )
+    training_args.finish_flags(sft, training_args.ChatTrainingArguments)
+    sft.set_defaults(func=run_sft)
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -282,6 +297,18 @@ def run_translation(namespace: argparse.Namespace) -> int:
 
     args = training_args.from_namespace(namespace, training_args.TranslationTrainingArguments)
     return _run_training(train_translation, args, namespace.cpu)
+
+
+def run_sft(namespace: argparse.Namespace) -> int:
+    from .sft import train_sft
+
+    args = training_args.from_namespace(namespace, training_args.ChatTrainingArguments)
+    default = training_args.CHAT_PRESETS[args.preset]["init_from"]
+    if args.init_from == default and not os.path.isdir(default):
+        raise FileNotFoundError(
+            f"--init-from {default}: no such model folder; run `deriv train lm` first, or name a folder to fine-tune"
+        )
+    return _run_training(train_sft, args, namespace.cpu)
 
 
 def _run_training(train, args, cpu: bool) -> int:

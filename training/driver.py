@@ -95,6 +95,7 @@ def finish(trainer, task, tokenizer, state_dict, seconds: float) -> None:
     if accelerator.distributed_type == DistributedType.FSDP:
         # A sharded model runs only with every process taking part; what follows runs on this one alone.
         model, state_dict = whole_model(task.model_class, model.config, state_dict), None
+    model, state_dict = task.exported_model(model, state_dict)
     model.eval()
     if args.gradient_checkpointing:
         model.activation_checkpointing_disable()  # a training setting, not the exported model's
@@ -110,7 +111,15 @@ def finish(trainer, task, tokenizer, state_dict, seconds: float) -> None:
         task, args, task.record_data(), tokenizer, ratio, model, state, accelerator, seconds, metrics, exported
     )
     export_folder(
-        args.output_dir, model, state_dict, tokenizer, record, state.history, accelerator.print, task.pipeline_class
+        args.output_dir,
+        model,
+        state_dict,
+        tokenizer,
+        record,
+        state.history,
+        accelerator.print,
+        task.pipeline_class,
+        task.write_extras,
     )
     task.show_samples(model, tokenizer, accelerator.print)
     summary = f"validation perplexity {metrics['val_perplexity']:.2f}"

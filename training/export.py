@@ -87,6 +87,7 @@ def run_record(
             max_grad_norm=args.max_grad_norm,
             seed=args.seed,
             label_smoothing=getattr(args, "label_smoothing", None),
+            **task.record_procedure(),
         ),
         training=training_record(args, state, seconds, exported_step),
         hardware=HardwareRecord(
@@ -128,12 +129,15 @@ def training_record(args, state, seconds: float, exported_step: int) -> Training
     )
 
 
-def export_folder(output_dir, model, state_dict, tokenizer, record, history, say=print, pipeline_class=None) -> None:
+def export_folder(
+    output_dir, model, state_dict, tokenizer, record, history, say=print, pipeline_class=None, extras=None
+) -> None:
     """Weights (safetensors) + model code + tokenizer + generation defaults + run.json + loss.png, written
     into a temporary folder and renamed into place: the files appear together or not at all.
 
     With `pipeline_class`, the folder also carries that pipeline (`custom_pipelines` in config.json and
-    its code), so `pipeline(model=folder, trust_remote_code=True)` works without this package.
+    its code), so `pipeline(model=folder, trust_remote_code=True)` works without this package. `extras(folder)`
+    writes the task's own files into the folder before the card (a LoRA adapter).
     """
     # subtle: batched calls with padding=True / truncation (the BLEU decode) leave that state in the backend,
     # and save_pretrained writes it into tokenizer.json, where plain `tokenizers` users would inherit it.
@@ -150,6 +154,8 @@ def export_folder(output_dir, model, state_dict, tokenizer, record, history, say
         make_portable(tmp)
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(record, f, indent=2, default=str)
+        if extras is not None:
+            extras(tmp)
         if not plot_losses(history, os.path.join(tmp, "loss.png")):
             say("loss.png skipped: pip install matplotlib (or deriv-lm[viz]) to plot the curves")
         # README.md, from the files just written; named after the final folder, not the temporary one

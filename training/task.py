@@ -1,7 +1,7 @@
 """The task contract: what a task knows, so that the driver (`driver.run`) can do everything else once.
 
-A task is one file: `lm.py` (causal language modelling) and `translation.py` (the encoder-decoder) are
-the two today. The driver calls, in order:
+A task is one file: `lm.py` (causal language modelling), `translation.py` (the encoder-decoder) and `sft.py`
+(chat fine-tuning). The driver calls, in order:
 
     task.load()                           read the source and split it (before anything is trained on it)
     task.tokenizer_texts()                the training split's texts, for a new tokenizer
@@ -11,6 +11,7 @@ the two today. The driver calls, in order:
     task.count_targets(batch)             target tokens in a batch (what the loss averages over)
     task.compute_loss(model, batch, n)    the training loss
     task.generation_config(model, tok)    the exported folder's decoding defaults
+    task.exported_model(model, weights)   what the folder holds (a wrapped model unwrapped: LoRA merged)
     task.final_metrics(model, tok)        scores beyond validation loss (BLEU for translation)
     task.record_data(), sample_texts()    what the run record says about the data
     task.show_samples(model, tok, say)    a few outputs at the end
@@ -75,9 +76,14 @@ class Task:
                 f"--context-length {self.args.context_length} is longer than the {positions} positions the model "
                 f"in {folder} has; pass --context-length {positions} or less."
             )
+        model = self.match_vocabulary(model, tokenizer)
         if len(tokenizer) > model.config.vocab_size:
             raise ValueError(f"{folder}'s tokenizer has {len(tokenizer)} ids, its model {model.config.vocab_size}.")
         return self.adopt(model, tokenizer)
+
+    def match_vocabulary(self, model, tokenizer) -> torch.nn.Module:
+        """An --init-from model for a tokenizer the task may have grown (`datasets` runs first); by default as is."""
+        return model
 
     def sampler(self, dataset, seed: int):
         """The order of the training examples; None: a seeded shuffle (the loader's)."""
@@ -92,6 +98,17 @@ class Task:
 
     def generation_config(self, model, tokenizer):
         raise NotImplementedError
+
+    def exported_model(self, model, state_dict) -> tuple:
+        """(model, state dict) the folder is written from; a task that wraps its model unwraps it here."""
+        return model, state_dict
+
+    def write_extras(self, folder: str) -> None:
+        """Files beside the model in the folder being exported (a temporary one, renamed into place after)."""
+
+    def record_procedure(self) -> dict:
+        """Task-specific fields of the run record's `procedure`."""
+        return {}
 
     def final_metrics(self, model, tokenizer) -> dict:
         return {}

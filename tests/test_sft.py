@@ -1,0 +1,261 @@
+"""`deriv train sft`: conversations, the assistant-only loss, packing, the task on the driver, and its folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli_error, make_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from deriv_lm.tokenization.conversations import (
+    _default_rows,
+    check_messages,
+    default_conversations,
+    first_paragraph,
+    local_conversations,
+)
+from deriv_lm.training.args import ChatTrainingArguments
+from deriv_lm.training.sft import chat_collator, encode_conversations, prepare_chat_tokenizer, train_sft
+
+
+NUMBERS_LM = Path(__file__).parent / "data" / "numbers_lm"  # a tiny decoder trained on "5 3 : fifty three" lines
+ONES = "zero one two three four five six seven eight nine".split()
+
+
+def conversation(i: int) -> list[dict]:
+    """A question of two digits and its answer in words; a system message on every third."""
+    a, b = i % 10, (i * 7) % 10
+    turns = [
+        {"role": "user", "content": f"{a} {b}"},
+        {"role": "assistant", "content": f"{ONES[a]} {ONES[b]}"},
+    ]
+    return ([{"role": "system", "content": "Spell the digits."}] if i % 3 == 0 else []) + turns
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(80)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def numbers_tokenizer():
+    tokenizer = AutoTokenizer.from_pretrained(NUMBERS_LM)
+    prepare_chat_tokenizer(tokenizer)
+    return tokenizer
+
+
+def chat_args(tmp_path, chat_file, **overrides) -> ChatTrainingArguments:
+    values = dict(
+        output_dir=str(tmp_path / "chat"),
+        init_from=str(NUMBERS_LM),
+        files=[str(chat_file)],
+        context_length=64,
+        batch_size=8,
+        max_steps=4,
+        warmup_steps=1,
+        learning_rate=1e-3,
+        log_every=2,
+        eval_every=2,
+        save_every=4,
+        samples=2,
+        validation_fraction=0.1,
+        progress=False,
+        dropout=0.0,
+    )
+    return ChatTrainingArguments(**{**values, **overrides})
+
+
+# ---- the mask ---------------------------------------------------------------------------------------------
+
+
+def test_labels_are_the_assistant_tokens_only(numbers_tokenizer):
+    """System and user tokens (and the <|assistant|> header) are labelled -100; every token of each assistant
+    message and the <eos> that ends it is its own label."""
+    tokenizer = numbers_tokenizer
+    messages = [
+        {"role": "system", "content": "Spell the digits."},
+        {"role": "user", "content": "4 2"},
+        {"role": "assistant", "content": "four two"},
+        {"role": "user", "content": "7"},
+        {"role": "assistant", "content": "seven"},
+    ]
+    dataset, dropped = encode_conversations([tuple(messages)], tokenizer, 64)
+    assert dropped == 0
+    ids, labels = dataset[0]["input_ids"], dataset[0]["labels"]
+    labelled = [i for i, label in enumerate(labels) if label != -100]
+    assert all(labels[i] == ids[i] for i in labelled)
+    taught = tokenizer.decode([ids[i] for i in labelled])
+    assert taught == "four two<eos>seven<eos>"
+    ignored = tokenizer.decode([ids[i] for i, label in enumerate(labels) if label == -100])
+    for text in ("Spell the digits.", "4 2", "7", "<|system|>", "<|user|>", "<|assistant|>"):
+        assert text in ignored
+
+
+def test_longer_conversations_are_dropped_and_counted(numbers_tokenizer):
+    rows = [tuple(conversation(1)), ({"role": "user", "content": "9 " * 40}, {"role": "assistant", "content": "x"})]
+    dataset, dropped = encode_conversations(rows, numbers_tokenizer, 32)
+    assert (len(dataset), dropped) == (1, 1)
+
+
+def test_a_template_without_marks_is_refused():
+    tokenizer = AutoTokenizer.from_pretrained(NUMBERS_LM)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not mark the assistant"):
+        prepare_chat_tokenizer(tokenizer)
+
+
+# ---- conversations ------------------------------------------------------------------------------------------
+
+
+def test_local_jsonl_is_read_and_checked(chat_file):
+    conversations = local_conversations([str(chat_file)])
+    assert len(conversations.rows) == 80 and not conversations.synthetic
+    assert conversations.rows[1] == tuple(conversation(1))
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        (json.dumps({"text": "hi"}), "line 2: no 'messages' field"),
+        (json.dumps({"messages": [{"role": "bot", "content": "hi"}]}), "role 'bot'"),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "no assistant message"),
+        (json.dumps({"messages": [{"role": "assistant", "content": 3}]}), "must be text"),
+        (json.dumps({"messages": []}), "non-empty list"),
+    ],
+)
+def test_a_bad_conversation_is_named_by_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": conversation(1)}) + "\n" + line + "\n")
+    with pytest.raises((ValueError, KeyError), match=message):
+        local_conversations([str(path)])
+
+
+def test_conversations_are_read_from_jsonl_only(tmp_path):
+    path = tmp_path / "chat.txt"
+    path.write_text("hello")
+    with pytest.raises(ValueError, match=r"\.jsonl"):
+        local_conversations([str(path)])
+    with pytest.raises(FileNotFoundError, match="No such file"):
+        local_conversations([str(tmp_path / "missing.jsonl")])
+
+
+def test_the_default_conversations_are_synthetic_checked_and_the_same_each_time():
+    conversations = default_conversations()
+    rows = conversations.rows
+    assert conversations.synthetic and "synthetic" in conversations.description
+    assert len(rows) > 1000
+    for row in rows[::50]:
+        assert check_messages(list(row), "default") == row
+    roles = [tuple(m["role"] for m in row) for row in rows]
+    assert ("user", "assistant") in roles and ("system", "user", "assistant") in roles
+    assert any(r.count("assistant") == 2 for r in roles)  # some go on for a second turn
+    answers = {row[-1]["content"] for row in rows}
+    assert any(a.startswith("Assert statements") for a in answers)  # from the help() topics
+    _default_rows.cache_clear()
+    assert default_conversations().rows == rows  # built again from the sources: the same set
+
+
+def test_first_paragraph_stops_at_a_blank_line_and_a_sentence():
+    assert first_paragraph("Return the\nsum.\n\nMore text.") == "Return the sum."
+    long = "A sentence. " * 50
+    cut = first_paragraph(long, limit=40)
+    assert cut == "A sentence. A sentence. A sentence." and len(cut) <= 40
+
+
+# ---- packing -----------------------------------------------------------------------------------------------
+
+
+def test_packed_conversations_do_not_see_each_other(numbers_tokenizer):
+    """One packed row of several conversations gives the same loss, per assistant token, as the conversations
+    padded in rows of their own: positions restart and attention stays within each conversation."""
+    rows = [tuple(conversation(i)) for i in range(5)]
+    dataset, _ = encode_conversations(rows, numbers_tokenizer, 64)
+    features = [{k: dataset[i][k] for k in ("input_ids", "labels")} for i in range(len(dataset))]
+    model = make_model(vocab_size=len(numbers_tokenizer), max_position_embeddings=64)
+    losses = {}
+    for packing in (True, False):
+        batch = chat_collator(numbers_tokenizer, packing)(features)
+        if packing:
+            assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+            assert (batch["position_ids"] == 0).sum() == len(rows)
+        targets = int((batch["labels"] != -100).sum())
+        with torch.no_grad():
+            losses[packing] = model(**batch, num_items_in_batch=targets).loss.item()
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+# ---- the task --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, chat_file):
+    args = chat_args(tmp_path_factory.mktemp("sft"), chat_file, packing=True)
+    train_sft(args, cpu=True)
+    return Path(args.output_dir)
+
+
+def test_sft_trains_and_exports_a_folder_that_chats(trained):
+    model = AutoModelForCausalLM.from_pretrained(trained)
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    assert "{% generation %}" in tokenizer.chat_template
+    run = json.loads((trained / "run.json").read_text())
+    assert run["task"] == "chat-sft" and run["base_model"] == "numbers_lm"
+    assert run["data"]["unit"] == "conversations" and not run["data"]["synthetic"]
+    metrics = run["metrics"]
+    assert metrics["val_loss"] < metrics["base_val_loss"]  # four steps on the task it is scored on
+    assert len(metrics["conversations"]) == 2
+    assert {"messages", "before", "after"} <= set(metrics["conversations"][0])
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "3 5"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    out = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+    card = (trained / "README.md").read_text()
+    assert "conversational" in card and "before fine-tuning" in card and "synthetic" not in card
+
+
+def test_pipeline_with_messages_on_the_fine_tuned_folder(trained):
+    from transformers import pipeline
+
+    chat = pipeline("text-generation", model=str(trained))
+    out = chat([{"role": "user", "content": "4 2"}], max_new_tokens=5, do_sample=False)
+    reply = out[0]["generated_text"][-1]
+    assert reply["role"] == "assistant" and isinstance(reply["content"], str)
+
+
+def test_padding_by_length_trains_too(tmp_path, chat_file):
+    args = chat_args(tmp_path, chat_file, packing=False, max_steps=2, eval_every=2, samples=0)
+    train_sft(args, cpu=True)
+    run = json.loads((tmp_path / "chat" / "run.json").read_text())
+    assert run["training"]["steps"] == 2 and run["arguments"]["chat"]["packing"] is False
+
+
+def test_a_tokenizer_without_chat_tokens_grows_and_the_model_with_it(tmp_path, chat_file, tiny_tokenizer):
+    """A folder whose tokenizer has no chat template and no role tokens (GPT-2's, as `deriv import` writes it)
+    gets Deriv's template and the role tokens; the model gets an embedding row for each, and they train."""
+    base = tmp_path / "plain"
+    make_model(vocab_size=len(tiny_tokenizer), max_position_embeddings=64).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
+    assert AutoTokenizer.from_pretrained(base).chat_template is None
+    args = chat_args(tmp_path, chat_file, init_from=str(base), max_steps=1, samples=0)
+    train_sft(args, cpu=True)
+    tuned = AutoTokenizer.from_pretrained(args.output_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.output_dir)
+    assert len(tuned) == len(tiny_tokenizer) + 3 == model.config.vocab_size
+    assert "{% generation %}" in tuned.chat_template
+    ids = tuned.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"])
+    assert sorted(ids) == list(range(len(tiny_tokenizer), len(tiny_tokenizer) + 3))
+
+
+def test_the_default_base_missing_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    message = cli_error(["train", "sft", "--max-steps", "1"], capsys)
+    assert "runs/deriv-tiny" in message and "deriv train lm" in message
+    assert not os.path.exists(tmp_path / "runs")
