@@ -161,7 +161,23 @@ model = AutoModelForSeq2SeqLM.from_pretrained("{repo}", trust_remote_code=True)
 inputs = tokenizer(["Save changes?"], return_tensors="pt")
 print(tokenizer.batch_decode(model.generate(**inputs, num_beams=4), skip_special_tokens=True))
 ```"""
-    if _is_chat(run_of(folder)):
+    run = run_of(folder)
+    if _is_chat(run) and run.procedure.lora and run.procedure.lora["export"] == "adapter":
+        return f"""```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+base = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)  # the weights before fine-tuning
+model = PeftModel.from_pretrained(base, "{repo}", subfolder="adapter").merge_and_unload()
+tokenizer = AutoTokenizer.from_pretrained("{repo}")
+chat = pipeline("text-generation", model=model, tokenizer=tokenizer)
+messages = [{{"role": "user", "content": "What does `os.path.join` do?"}}]
+print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
+```
+
+The folder holds the base model's weights and, in `adapter/`, the LoRA adapter trained on them: loading the folder
+without PEFT gives the model before fine-tuning. `deriv chat {repo}` merges the adapter itself."""
+    if _is_chat(run):
         return f"""```python
 from transformers import pipeline
 

@@ -123,9 +123,33 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as error:
         raise unloadable(error) from error
+    if local and os.path.isfile(os.path.join(folder, ADAPTER, "adapter_config.json")):
+        model = with_adapter(model, folder)
     record_path = os.path.join(folder, "run.json")
     record = _read_json(record_path) if local and os.path.isfile(record_path) else None
     return LoadedFolder(folder, model, tokenizer, config, record)
+
+
+ADAPTER = "adapter"  # where `deriv train sft --lora --lora-export adapter` puts the LoRA adapter, beside its base
+
+
+def with_adapter(model, folder: str):
+    """The folder's base `model` with its LoRA adapter (FOLDER/adapter) merged in, through PEFT. Only a
+    safetensors adapter is read: PEFT would unpickle an `adapter_model.bin`, which may run code."""
+    adapter = os.path.join(folder, ADAPTER)
+    if not os.path.isfile(os.path.join(adapter, "adapter_model.safetensors")):
+        raise ValueError(f"{adapter} has no adapter_model.safetensors; only a safetensors adapter is loaded")
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise ValueError(
+            f"{folder} holds a LoRA adapter ({ADAPTER}/) beside its base weights; loading it needs PEFT: "
+            "pip install 'deriv-lm[lora]'"
+        ) from error
+    try:
+        return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+    except Exception as error:
+        raise ValueError(f"{adapter}: not a LoRA adapter for this model ({_cause(error)})") from error
 
 
 def code_files(folder: ModelFolder) -> list[str]:

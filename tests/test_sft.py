@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -178,7 +179,9 @@ def test_packed_conversations_do_not_see_each_other(numbers_tokenizer):
     rows = [tuple(conversation(i)) for i in range(5)]
     dataset, _ = encode_conversations(rows, numbers_tokenizer, 64)
     features = [{k: dataset[i][k] for k in ("input_ids", "labels")} for i in range(len(dataset))]
-    model = make_model(vocab_size=len(numbers_tokenizer), max_position_embeddings=64)
+    # a trained model: a random one attends almost uniformly, and a leak between conversations would hardly
+    # move its loss (1e-5 here), where this one's moves by a tenth
+    model = AutoModelForCausalLM.from_pretrained(NUMBERS_LM).eval()
     losses = {}
     for packing in (True, False):
         batch = chat_collator(numbers_tokenizer, packing)(features)
@@ -188,7 +191,7 @@ def test_packed_conversations_do_not_see_each_other(numbers_tokenizer):
         targets = int((batch["labels"] != -100).sum())
         with torch.no_grad():
             losses[packing] = model(**batch, num_items_in_batch=targets).loss.item()
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)
 
 
 # ---- the task --------------------------------------------------------------------------------------------
@@ -259,3 +262,88 @@ def test_the_default_base_missing_is_one_line(tmp_path, capsys, monkeypatch):
     message = cli_error(["train", "sft", "--max-steps", "1"], capsys)
     assert "runs/deriv-tiny" in message and "deriv train lm" in message
     assert not os.path.exists(tmp_path / "runs")
+
+
+# ---- LoRA through PEFT ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, chat_file):
+    """The same LoRA fine-tuning exported both ways: adapters merged into the weights, and set beside them."""
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install 'deriv-lm[lora]')")
+    folders = {}
+    for export in ("merged", "adapter"):
+        args = chat_args(
+            tmp_path_factory.mktemp(f"lora-{export}"), chat_file, lora=True, lora_export=export, learning_rate=1e-2
+        )
+        train_sft(args, cpu=True)
+        folders[export] = Path(args.output_dir)
+    return folders
+
+
+def greedy_reply(model, tokenizer, text: str = "4 2") -> list[int]:
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    return out[0, prompt["input_ids"].shape[1] :].tolist()
+
+
+def test_lora_trains_only_the_adapters_on_peft_s_default_targets(lora_runs):
+    run = json.loads((lora_runs["merged"] / "run.json").read_text())
+    lora = run["procedure"]["lora"]
+    assert lora["targets"] == ["q_proj", "v_proj"] and lora["r"] == 8 and lora["export"] == "merged"
+    assert run["metrics"]["val_loss"] < run["metrics"]["base_val_loss"]
+    base = AutoModelForCausalLM.from_pretrained(NUMBERS_LM).state_dict()
+    tuned = AutoModelForCausalLM.from_pretrained(lora_runs["merged"]).state_dict()
+    changed = {name for name, weight in tuned.items() if not torch.equal(weight, base[name])}
+    assert changed and all(name.endswith(("q_proj.weight", "v_proj.weight")) for name in changed)
+    assert not any("lora" in name for name in tuned)  # merged: a plain Deriv folder
+    card = (lora_runs["merged"] / "README.md").read_text()
+    assert "LoRA (PEFT)" in card and "merged into the weights" in card
+
+
+def test_the_adapter_export_keeps_the_base_and_loads_to_the_same_replies(lora_runs):
+    from peft import PeftModel
+
+    from deriv_lm.hub_card.folder import load_folder
+
+    folder = lora_runs["adapter"]
+    assert (folder / "adapter" / "adapter_model.safetensors").exists()
+    adapter_config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == folder.name  # never a local path
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    assert all(
+        torch.equal(w, AutoModelForCausalLM.from_pretrained(NUMBERS_LM).state_dict()[n])
+        for n, w in base.state_dict().items()
+    )  # the folder's own weights are the base's
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with_peft = PeftModel.from_pretrained(base, str(folder), subfolder="adapter").eval()
+    loaded = load_folder(folder)  # what deriv chat / generate / serve use: the adapter merged in
+    assert greedy_reply(with_peft, tokenizer) == greedy_reply(loaded.model, tokenizer)
+    merged = AutoModelForCausalLM.from_pretrained(lora_runs["merged"]).eval()
+    assert greedy_reply(merged, tokenizer) == greedy_reply(loaded.model, tokenizer)  # the same run, both exports
+    assert 'subfolder="adapter"' in (folder / "README.md").read_text()
+
+
+def test_a_pickled_adapter_is_not_loaded(tmp_path, lora_runs):
+    """An adapter folder that offers only `adapter_model.bin` (a pickle, which can run code when loaded) is
+    refused before PEFT would unpickle it."""
+    import pickle
+
+    from deriv_lm.hub_card.folder import load_folder
+
+    folder = tmp_path / "planted"
+    shutil.copytree(lora_runs["adapter"], folder)
+    (folder / "adapter" / "adapter_model.safetensors").unlink()
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    (folder / "adapter" / "adapter_model.bin").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ValueError, match="only a safetensors adapter"):
+        load_folder(folder)
+    assert not marker.exists()

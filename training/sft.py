@@ -86,12 +86,18 @@ def encode_conversations(rows, tokenizer, context_length: int):
 
 def chat_collator(tokenizer, packing: bool):
     """transformers' collators: `DataCollatorWithFlattening` (packing: one row, position ids restarting per
-    conversation, no attention mask, so the model's mask keeps each conversation to itself) or
-    `DataCollatorForSeq2Seq` without a model (right padding: pad ids, a 0 mask, labels -100)."""
+    conversation, no attention mask) or `DataCollatorForSeq2Seq` without a model (right padding: pad ids, a 0
+    mask, labels -100).
+
+    subtle: transformers' mask builder reads packed rows from the position ids (each restart begins another
+    sequence, and the causal mask becomes block-diagonal) only when no attention mask and no cache is passed.
+    The model makes a cache whenever `use_cache` is on, its config's default, and with one each conversation of a
+    packed row would attend to those before it; so a packed batch says `use_cache=False`."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     if packing:
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+        flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+        return lambda features: {**flatten(features), "use_cache": False}
     right = copy.copy(tokenizer)
     right.padding_side = "right"
     return DataCollatorForSeq2Seq(right, model=None, label_pad_token_id=-100)
@@ -104,7 +110,7 @@ def assistant_loss(model, dataset, collator, batch_size: int) -> float:
     model.eval()
     for start in range(0, len(dataset), batch_size):
         batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
-        batch = {k: v.to(model.device) for k, v in batch.items()}
+        batch = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         targets = int((batch["labels"] != -100).sum())
         total += model(**batch, num_items_in_batch=targets).loss.item() * targets
         count += targets
