@@ -12,7 +12,7 @@ import pytest
 import torch
 
 
-trl = pytest.importorskip("trl", reason="TRL is not installed (the dev extra)")
+trl = pytest.importorskip("trl", reason="TRL is not installed (the trl extra)")
 
 from conftest import make_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -135,5 +135,5 @@ def test_the_loss_covers_the_assistants_replies_and_their_eos_only(chat_tokenize
 def test_without_generation_marks_trl_refuses_the_assistant_only_loss(chat_tokenizer, tmp_path, no_network):
     """A folder made before issue 19 carries the same template without marks: TRL cannot find the replies in it."""
     chat_tokenizer.chat_template = CHAT_TEMPLATE_WITHOUT_MARKS
-    with pytest.raises(ValueError, match="chat template"):
+    with pytest.raises((ValueError, RuntimeError), match="chat template"):  # TRL 1.16 on construction, 1.0 on the data
         sft_trainer(make_model(max_position_embeddings=CONTEXT), chat_tokenizer, tmp_path)
