@@ -6,7 +6,7 @@
 # Three environments, one command each (CI runs all three, each in a fresh environment):
 #   make test          the locked set (constraints/lock.txt), in .venv
 #   make test-oldest   every dependency at the floor pyproject.toml declares (constraints/oldest.txt), without
-#                      the onnx and serve extras (their tests say they skip)
+#                      the onnx, serve and trl extras (their tests say they skip)
 #   make test-newest   the newest release of everything the registry offers, torch included
 # When the newest set passes, `make lock` moves the lock forward to it; `make test` then tests the new lock.
 
@@ -29,7 +29,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) $(PIP) "$(TORCH)"
-	$(PY) $(PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve]"
+	$(PY) $(PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve,trl]"
 	touch $(STAMP)
 
 test: setup
@@ -55,7 +55,7 @@ test-newest:
 	$(PYTHON) -m venv .venv-newest
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade pip
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) torch
-	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz,onnx,serve]"
+	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz,onnx,serve,trl]"
 	.venv-newest/bin/python -m pip freeze --exclude-editable > .venv-newest/freeze.txt
 	.venv-newest/bin/python -m pytest -q $(PYTEST_ARGS)
 

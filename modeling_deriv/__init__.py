@@ -2,7 +2,8 @@
 
 Importing this package registers the `deriv` model type with the Auto classes, and marks the
 classes so that `save_pretrained` copies their code into the saved folder (`auto_map`): users of
-that folder need only `trust_remote_code=True`, not this package.
+that folder need only `trust_remote_code=True`, not this package. It also gives both model types default
+adapter targets in PEFT, when PEFT is imported (`lora_targets`; PEFT itself is not imported here).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -10,6 +11,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from .configuration_deriv import DerivConfig, DerivSeq2SeqConfig
 from .logits_process import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+from .lora_targets import register_peft_targets, register_peft_targets_on_import
 from .modeling_deriv import DerivForCausalLM, DerivModel, DerivPreTrainedModel
 from .modeling_deriv_seq2seq import (
     DerivForConditionalGeneration,
@@ -37,6 +39,7 @@ DerivForConditionalGeneration.register_for_auto_class("AutoModelForSeq2SeqLM")
 PIPELINE_REGISTRY.register_pipeline(
     TRANSLATION_TASK, pipeline_class=DerivTranslationPipeline, pt_model=AutoModelForSeq2SeqLM
 )
+register_peft_targets_on_import()
 
 __all__ = [
     "DerivConfig",
@@ -52,4 +55,5 @@ __all__ = [
     "TRANSLATION_TASK",
     "PresencePenaltyLogitsProcessor",
     "FrequencyPenaltyLogitsProcessor",
+    "register_peft_targets",
 ]
