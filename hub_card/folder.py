@@ -146,8 +146,11 @@ def with_adapter(model, folder: str):
             f"{folder} holds a LoRA adapter ({ADAPTER}/) beside its base weights; loading it needs PEFT: "
             "pip install 'deriv-lm[lora]'"
         ) from error
+    from ..modeling_deriv.lora_targets import quiet_peft_deprecations
+
     try:
-        return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+        with quiet_peft_deprecations():
+            return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
     except Exception as error:
         raise ValueError(f"{adapter}: not a LoRA adapter for this model ({_cause(error)})") from error
 

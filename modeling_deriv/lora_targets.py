@@ -24,8 +24,10 @@ None of the defaults touches `lm_head`, which is `embed_tokens` itself (tied): a
 its update to the one shared matrix, so the input embedding changes as well (PEFT warns when it is targeted).
 """
 
+import contextlib
 import importlib.util
 import sys
+import warnings
 
 from transformers.utils import logging
 
@@ -137,3 +139,12 @@ def register_peft_targets_on_import() -> None:
 
 
 __all__ = ["LORA_TARGET_MODULES", "MODEL_TYPES", "register_peft_targets", "register_peft_targets_on_import"]
+
+
+@contextlib.contextmanager
+def quiet_peft_deprecations():
+    """PEFT (0.18 to 0.21 at least) reads `model.is_gradient_checkpointing` as it wraps a model, which transformers
+    5.24 deprecates with a FutureWarning on every wrap: PEFT's call, not the user's, so silenced around it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield

@@ -308,6 +308,7 @@ def test_the_adapter_export_keeps_the_base_and_loads_to_the_same_replies(lora_ru
     from peft import PeftModel
 
     from deriv_lm.hub_card.folder import load_folder
+    from deriv_lm.modeling_deriv.lora_targets import quiet_peft_deprecations
 
     folder = lora_runs["adapter"]
     assert (folder / "adapter" / "adapter_model.safetensors").exists()
@@ -319,7 +320,8 @@ def test_the_adapter_export_keeps_the_base_and_loads_to_the_same_replies(lora_ru
         for n, w in base.state_dict().items()
     )  # the folder's own weights are the base's
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    with_peft = PeftModel.from_pretrained(base, str(folder), subfolder="adapter").eval()
+    with quiet_peft_deprecations():
+        with_peft = PeftModel.from_pretrained(base, str(folder), subfolder="adapter").eval()
     loaded = load_folder(folder)  # what deriv chat / generate / serve use: the adapter merged in
     assert greedy_reply(with_peft, tokenizer) == greedy_reply(loaded.model, tokenizer)
     merged = AutoModelForCausalLM.from_pretrained(lora_runs["merged"]).eval()

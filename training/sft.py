@@ -287,7 +287,7 @@ def with_lora(model, args, say=print):
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
         raise ValueError("--lora needs PEFT: pip install 'deriv-lm[lora]' (or pip install peft)") from error
-    from ..modeling_deriv.lora_targets import register_peft_targets
+    from ..modeling_deriv.lora_targets import quiet_peft_deprecations, register_peft_targets
 
     register_peft_targets()
     targets = args.lora_target_modules
@@ -298,7 +298,8 @@ def with_lora(model, args, say=print):
         target_modules=(targets[0] if targets == ["all-linear"] else targets) or None,
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, config)
+    with quiet_peft_deprecations():
+        model = get_peft_model(model, config)
     trainable, total = model.get_nb_trainable_parameters()
     say(f"LoRA on {sorted(model.peft_config['default'].target_modules)}: {trainable:,} of {total:,} parameters train")
     return model
