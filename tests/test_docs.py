@@ -28,6 +28,7 @@ BLOCKS = {
     "tokenizer.md": 3,
     "convert.md": 1,
     "serving.md": 1,
+    "chat.md": 1,
 }
 
 

@@ -349,3 +349,38 @@ def test_a_pickled_adapter_is_not_loaded(tmp_path, lora_runs):
     with pytest.raises(ValueError, match="only a safetensors adapter"):
         load_folder(folder)
     assert not marker.exists()
+
+
+def test_a_lora_run_resumed_from_a_checkpoint_ends_with_the_same_weights(tmp_path, chat_file, capsys):
+    """The checkpoints hold the PEFT-wrapped model: a run that resumes from step 3 of 6 (its step-6 checkpoint
+    gone) retrains steps 4 to 6 to the weights the uninterrupted run exported, adapters' dropout included."""
+    pytest.importorskip("peft", reason="LoRA needs peft (pip install 'deriv-lm[lora]')")
+    from safetensors.torch import load_file
+
+    args = chat_args(tmp_path, chat_file, lora=True, max_steps=6, save_every=3, eval_every=6, samples=0)
+    train_sft(args, cpu=True)
+    first = load_file(os.path.join(args.output_dir, "model.safetensors"))
+    shutil.rmtree(os.path.join(args.checkpoint_dir, "step-0000006"))
+    capsys.readouterr()
+    train_sft(
+        chat_args(tmp_path, chat_file, lora=True, max_steps=6, save_every=3, eval_every=6, samples=0, resume=True),
+        cpu=True,
+    )
+    assert "at step 3" in capsys.readouterr().out
+    again = load_file(os.path.join(args.output_dir, "model.safetensors"))
+    assert first.keys() == again.keys()
+    for key in first:
+        assert torch.equal(first[key], again[key]), key
+
+
+def test_the_default_conversations_are_labelled_synthetic_in_the_card(tmp_path, chat_file):
+    base = tmp_path / "long"  # the numbers tokenizer spells prose byte by byte: a context long enough for it
+    make_model(vocab_size=300, max_position_embeddings=512).save_pretrained(base)
+    AutoTokenizer.from_pretrained(NUMBERS_LM).save_pretrained(base)
+    args = chat_args(
+        tmp_path, chat_file, init_from=str(base), files=[], context_length=512, max_conversations=40, max_steps=1
+    )
+    train_sft(args, cpu=True)
+    run = json.loads((Path(args.output_dir) / "run.json").read_text())
+    assert run["data"]["synthetic"] and run["data"]["corpus"].startswith("default (synthetic)")
+    assert "**The conversations are synthetic**" in (Path(args.output_dir) / "README.md").read_text()

@@ -171,7 +171,7 @@ class ChatTask(Task):
         if len(self.train) == 0 or len(self.validation) == 0:
             raise ValueError(
                 f"No {'training' if len(self.train) == 0 else 'validation'} conversation fits --context-length "
-                f"{a.context_length}; pass longer context or shorter conversations."
+                f"{a.context_length}; pass a longer --context-length or shorter conversations."
             )
         self.train_lengths = list(self.train["length"])
         by_length = sorted(range(len(self.validation)), key=list(self.validation["length"]).__getitem__)
