@@ -207,8 +207,13 @@ def _training(folder: ModelFolder) -> str:
         )
     data, t, hw, p, tok = run.data, run.training, run.hardware, run.procedure, run.tokenizer
     lines = ["## Tokenizer\n"]
+    source = (
+        f"The tokenizer of `{run.base_model}`"
+        if run.base_model
+        else ("Byte-level BPE trained with `tokenizers` on the training data")
+    )
     lines.append(
-        f"Byte-level BPE trained with `tokenizers` on the training data: {tok.vocab_size:,} ids, "
+        f"{source}: {tok.vocab_size:,} ids, "
         f"{tok.characters_per_token:.2f} characters per token, special tokens "
         + ", ".join(f"`{s}`" for s in tok.special_tokens)
         + ".\n"

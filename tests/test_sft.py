@@ -384,3 +384,15 @@ def test_the_default_conversations_are_labelled_synthetic_in_the_card(tmp_path, 
     run = json.loads((Path(args.output_dir) / "run.json").read_text())
     assert run["data"]["synthetic"] and run["data"]["corpus"].startswith("default (synthetic)")
     assert "**The conversations are synthetic**" in (Path(args.output_dir) / "README.md").read_text()
+
+
+@pytest.mark.parametrize("mode", ["FSDP", "DEEPSPEED"])
+def test_lora_is_refused_where_the_weights_are_gathered_into_a_plain_model(mode):
+    from accelerate.utils import DistributedType
+
+    from deriv_lm.training.sft import check_lora_mode
+
+    with pytest.raises(ValueError, match=f"--lora runs on one process or under DDP, not under {mode}"):
+        check_lora_mode(DistributedType[mode])
+    check_lora_mode(DistributedType.MULTI_CPU)  # DDP: allowed
+    check_lora_mode(DistributedType.NO)

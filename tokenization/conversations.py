@@ -132,9 +132,10 @@ def _stdlib_answers() -> Iterator[tuple[str, str]]:
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith((".", "_")))
-        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py") and f[0] != "_"]
+        paths += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py") and not f.startswith("_")]
+        paths += [os.path.join(dirpath, f) for f in filenames if f == "__init__.py"]  # the package itself
     for path in sorted(paths):
-        module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+        module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
         try:
             with open(path, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), filename=path)

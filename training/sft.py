@@ -20,6 +20,7 @@ import shutil
 import tempfile
 
 import torch
+from accelerate import PartialState
 
 from ..modeling_deriv import DerivForCausalLM
 from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
@@ -199,6 +200,7 @@ class ChatTask(Task):
         self.before = replies(model, tokenizer, self.shown, self._reply_tokens())
         self.tokenizer = tokenizer
         if self.args.lora:
+            check_lora_mode(PartialState().distributed_type)
             model = with_lora(model, self.args, self.say)
             self.lora_targets = sorted(model.peft_config["default"].target_modules)
         return model
@@ -279,6 +281,18 @@ def prompts_that_fit(rows, tokenizer, args, reply_tokens: int) -> list[tuple[dic
         if len(ids["input_ids"]) + reply_tokens <= args.context_length:
             shown.append(prompt)
     return shown
+
+
+def check_lora_mode(mode) -> None:
+    """LoRA runs on one process or under DDP. Under FSDP and DeepSpeed the exported weights are gathered into a
+    plain model, which the adapters' names do not fit; refused before any step is spent."""
+    from accelerate.utils import DistributedType
+
+    if mode in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ValueError(
+            f"--lora runs on one process or under DDP, not under {mode.value}; launch without FSDP / DeepSpeed "
+            "(LoRA's memory saving is in the optimizer state already), or fine-tune every weight"
+        )
 
 
 def with_lora(model, args, say=print):
