@@ -240,12 +240,19 @@ def test_padding_by_length_trains_too(tmp_path, chat_file):
     assert run["training"]["steps"] == 2 and run["arguments"]["chat"]["packing"] is False
 
 
-def test_a_tokenizer_without_chat_tokens_grows_and_the_model_with_it(tmp_path, chat_file, tiny_tokenizer):
-    """A folder whose tokenizer has no chat template and no role tokens (GPT-2's, as `deriv import` writes it)
-    gets Deriv's template and the role tokens; the model gets an embedding row for each, and they train."""
-    base = tmp_path / "plain"
-    make_model(vocab_size=len(tiny_tokenizer), max_position_embeddings=64).save_pretrained(base)
-    tiny_tokenizer.save_pretrained(base)
+def test_an_imported_gpt2_without_chat_tokens_gains_them(tmp_path, chat_file, tiny_tokenizer):
+    """GPT-2 imported with `deriv import` keeps a tokenizer with no chat template and no role tokens: it gets
+    Deriv's template and the three tokens, and the model an embedding row for each."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from deriv_lm.convert import import_model
+
+    gpt2 = tmp_path / "gpt2"
+    config = GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(gpt2)
+    tiny_tokenizer.save_pretrained(gpt2)
+    base = tmp_path / "imported"
+    import_model(str(gpt2), str(base))
     assert AutoTokenizer.from_pretrained(base).chat_template is None
     args = chat_args(tmp_path, chat_file, init_from=str(base), max_steps=1, samples=0)
     train_sft(args, cpu=True)
