@@ -21,6 +21,20 @@ TINY = dict(
 )
 
 
+# The encoder-decoder's tiny shape, for the tests that build one.
+TINY_SEQ2SEQ = dict(
+    vocab_size=300,
+    hidden_size=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=48,
+    dropout=0.0,
+)
+
+
 @pytest.fixture
 def tiny_config() -> DerivConfig:
     return DerivConfig(**TINY)

@@ -15,7 +15,7 @@ import torch
 
 peft = pytest.importorskip("peft", reason="PEFT is not installed (the lora extra)")
 
-from conftest import TINY, make_model  # noqa: E402
+from conftest import TINY, TINY_SEQ2SEQ, make_model  # noqa: E402
 from peft import AutoPeftModelForCausalLM, IA3Config, LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from peft.tuners.ia3 import IA3Layer  # noqa: E402
 from peft.tuners.lora import LoraLayer  # noqa: E402
@@ -31,17 +31,6 @@ from deriv_lm.modeling_deriv import register_peft_targets  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 PROMPTS = torch.tensor([[1, 24, 226, 21, 226], [1, 27, 267, 74, 272]])
-SEQ2SEQ = dict(
-    vocab_size=300,
-    hidden_size=32,
-    encoder_layers=2,
-    decoder_layers=2,
-    encoder_attention_heads=4,
-    decoder_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=48,
-    dropout=0.0,
-)
 
 
 def adapted(model, layer_class=LoraLayer) -> set[str]:
@@ -74,7 +63,7 @@ def test_lora_defaults_to_the_query_and_value_projections_of_every_layer():
 
 def test_lora_defaults_on_the_encoder_decoder_include_cross_attention():
     torch.manual_seed(0)
-    peft_model = get_peft_model(DerivForConditionalGeneration(DerivSeq2SeqConfig(**SEQ2SEQ)), LoraConfig(r=8))
+    peft_model = get_peft_model(DerivForConditionalGeneration(DerivSeq2SeqConfig(**TINY_SEQ2SEQ)), LoraConfig(r=8))
     expected = {f"model.encoder.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")}
     expected |= {
         f"model.decoder.layers.{i}.{attn}.{p}"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_without_package
+from conftest import TINY_SEQ2SEQ, run_without_package
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, EncoderDecoderCache, pipeline
@@ -17,17 +17,7 @@ from deriv_lm.modeling_deriv.pipeline_deriv import TASK, DerivTranslationPipelin
 from deriv_lm.training.args import TRANSLATION_PRESETS, TranslationTrainingArguments
 
 
-SEQ2SEQ = dict(
-    vocab_size=300,
-    hidden_size=32,
-    encoder_layers=2,
-    decoder_layers=2,
-    encoder_attention_heads=4,
-    decoder_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=48,
-    dropout=0.0,
-)
+SEQ2SEQ = TINY_SEQ2SEQ  # the shape these tests vary
 
 
 def make_seq2seq(seed: int = 0, spread: float | None = 0.5, **overrides) -> DerivForConditionalGeneration:

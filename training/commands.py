@@ -32,41 +32,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`deriv train lm` and `deriv train translation`: each lists only the flags its task uses, grouped by
     concern (the dataclasses of `args.py`, turned into flags by `HfArgumentParser`)."""
     sub = parser.add_subparsers(dest="task", required=True, parser_class=TaskParser)
-    lm = sub.add_parser(
+    add_task(
+        sub,
         "lm",
-        dataclass_types=training_args.TrainingArguments.concerns,
-        formatter_class=argparse.HelpFormatter,
-        help="train a Deriv language model (no arguments: the tiny preset on the embedded default corpus)",
-        description="Train a Deriv decoder. Flags override --config, which overrides --preset (tiny, small, "
-        "gpt2-124m). Under `accelerate launch` the same command runs on several GPUs or nodes.",
+        training_args.TrainingArguments,
+        run_lm,
+        "train a Deriv language model (no arguments: the tiny preset on the embedded default corpus)",
+        "Train a Deriv decoder. Flags override --config, which overrides --preset (tiny, small, gpt2-124m). Under "
+        "`accelerate launch` the same command runs on several GPUs or nodes.",
     )
-    training_args.finish_flags(lm, training_args.TrainingArguments)
-    lm.set_defaults(func=run_lm)
-    mt = sub.add_parser(
+    add_task(
+        sub,
         "translation",
-        dataclass_types=training_args.TranslationTrainingArguments.concerns,
-        formatter_class=argparse.HelpFormatter,
-        help="train a Deriv encoder-decoder (no arguments: the tiny preset on the embedded en->de pairs)",
-        description="Train a Deriv encoder-decoder on source/target pairs: --files (.tsv source<TAB>target, "
-        ".jsonl), --dataset (a `translation` column, the WMT/OPUS layout), or by default this machine's gettext "
-        "catalogs (English -> --target-lang). Flags override --config, which overrides --preset (tiny, base).",
+        training_args.TranslationTrainingArguments,
+        run_translation,
+        "train a Deriv encoder-decoder (no arguments: the tiny preset on the embedded en->de pairs)",
+        "Train a Deriv encoder-decoder on source/target pairs: --files (.tsv source<TAB>target, .jsonl), --dataset "
+        "(a `translation` column, the WMT/OPUS layout), or by default this machine's gettext catalogs (English -> "
+        "--target-lang). Flags override --config, which overrides --preset (tiny, base).",
     )
-    training_args.finish_flags(mt, training_args.TranslationTrainingArguments)
-    mt.set_defaults(func=run_translation)
-    sft = sub.add_parser(
+    add_task(
+        sub,
         "sft",
-        dataclass_types=training_args.ChatTrainingArguments.concerns,
-        formatter_class=argparse.HelpFormatter,
-        help="fine-tune a language model to chat (no arguments: runs/deriv-tiny on embedded synthetic conversations)",
-        description="Supervised fine-tuning on conversations: --files (.jsonl, a `messages` list per line), "
-        "--dataset (a `messages` column, the Hub's chat layout), or by default synthetic questions on this "
-        "Python's help() topics and standard library answered from their own text. The loss is on the "
-        "assistant's tokens only. --init-from names the folder to fine-tune (default: the one `deriv train lm` "
-        "writes); --lora trains adapters through PEFT instead of every weight. Flags override --config, which "
-        "overrides --preset (tiny).",
+        training_args.ChatTrainingArguments,
+        run_sft,
+        "fine-tune a language model to chat (no arguments: runs/deriv-tiny on embedded synthetic conversations)",
+        "Supervised fine-tuning on conversations: --files (.jsonl, a `messages` list per line), --dataset (a "
+        "`messages` column, the Hub's chat layout), or by default synthetic questions on this Python's help() "
+        "topics and standard library answered from their own text. The loss is on the assistant's tokens only. "
+        "--init-from names the folder to fine-tune (default: the one `deriv train lm` writes); --lora trains "
+        "adapters through PEFT instead of every weight. Flags override --config, which overrides --preset (tiny).",
     )
-    training_args.finish_flags(sft, training_args.ChatTrainingArguments)
-    sft.set_defaults(func=run_sft)
+
+
+def add_task(sub, name: str, kind: type, func, help: str, description: str) -> None:
+    """`deriv train NAME`: the flags of `kind`'s concerns, grouped, with --config and --cpu."""
+    task = sub.add_parser(
+        name, dataclass_types=kind.concerns, formatter_class=argparse.HelpFormatter, help=help, description=description
+    )
+    training_args.finish_flags(task, kind)
+    task.set_defaults(func=func)
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
