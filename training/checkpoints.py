@@ -14,6 +14,7 @@ interrupted write never replaces the last good one; resuming skips a torn one fo
 from __future__ import annotations
 
 import json
+import logging as _logging
 import math
 import os
 import pickle
@@ -27,6 +28,13 @@ from ..tokenization.files import fsync_tree
 
 
 logger = logging.get_logger("deriv_lm.training")
+# subtle: accelerate's save_state drops `lm_head.weight` from the safetensors file, since it is `embed_tokens.weight`
+# itself (tied), and warns "Removed shared tensor ... check ... that you don't receive any warning while reloading"
+# at every checkpoint. The model re-ties on load, and a resumed run ends bit-identical (tests/test_training.py,
+# tests/test_sft.py): the warning is noise here, so that one line is dropped.
+_logging.getLogger("accelerate.utils.other").addFilter(
+    lambda record: "Removed shared tensor" not in record.getMessage()
+)
 CHECKPOINT = re.compile(r"^step-(\d+)$")
 SCHEDULER_FILE = "scheduler.json"
 STATE_FILE = "trainer_state.json"
