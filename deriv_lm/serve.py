@@ -1,26 +1,22 @@
-"""`deriv serve FOLDER`: a Deriv language model behind transformers' OpenAI-compatible server.
+"""`deriv serve FOLDER`: a Deriv language model behind an OpenAI-compatible HTTP server.
 
     pip install 'deriv-lm[serve]'
-    deriv serve runs/deriv-tiny                          # http://127.0.0.1:8000
+    deriv serve runs/deriv-tiny                          # http://127.0.0.1:8000/v1
     deriv serve runs/deriv-tiny --continuous-batching    # many requests decoded in one packed batch
 
-The server is `transformers serve`'s own (`transformers.cli.serve.Serve`: FastAPI and uvicorn):
-`/v1/chat/completions` with the folder's chat template, `/v1/completions`, `/v1/models`, `/health`, streaming
-(server-sent events) and continuous batching over a paged KV cache. This file adds only what a custom model
-needs to be served by it:
+The endpoints, the request checks and the limits are in `serving/app.py` and `serving/protocol.py`; decoding is
+transformers' own (`generate()`, or its continuous batching over a paged KV cache: `serving/engines.py`). This
+file is the command: it checks everything it can before the server listens (the extra, the device, the address,
+the folder), so a mistake is one line and exit status 2, then serves until Ctrl-C or SIGTERM.
 
-- transformers' server finds the model's class by name in the `transformers` namespace
-  (`getattr(transformers, config.architectures[0])`), where a model outside the library is not, so
-  `transformers serve FOLDER --trust-remote-code` loads the folder and then fails on the first request
-  ("module transformers has no attribute DerivForCausalLM"). `register_with_server` puts Deriv's class where
-  the server looks; the folder then loads through the installed classes, and its copied `.py` files never
-  run (no `--trust-remote-code`).
-- the folder is checked before the server starts (a language-model folder of Deriv's, loadable), so a wrong
-  path is one line, not a traceback from a background thread;
-- it listens on 127.0.0.1 unless told otherwise: nothing is exposed beyond this machine by default.
+The contract (docs/serving.md): one model, the folder the server was started with, loaded from safetensors
+with Deriv's installed classes (no remote code, no pickle, a LoRA adapter merged); nothing loads or unloads it
+over HTTP; loopback only unless `--host` says otherwise.
 
-The encoder-decoder is not served: transformers' serving endpoints and its continuous batching are written for
-decoder-only models (see `DerivForConditionalGeneration.init_continuous_batching`).
+subtle: this server is Deriv's, not `transformers serve`. That server loads any model a request names
+(`POST /load_model`), lets any client unload it (`/reset`), and one request past the context kills its batching
+worker for good; it is also written for the library's own classes. What it does well, the decoding, is what
+this server keeps.
 """
 
 from __future__ import annotations
@@ -39,15 +35,19 @@ from .arguments import integer
 CPU_SEQUENCES = 32
 CPU_BATCH_TOKENS = 2048
 PAGE_SIZE = 256  # ContinuousBatchingConfig.page_size's default: positions per block
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: a message far longer than any context this package trains, far below the RAM
 
-SERVE_EXTRA = "deriv serve needs FastAPI, uvicorn, pydantic and openai: pip install 'deriv-lm[serve]'"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "starlette")
+SERVE_EXTRA = "deriv serve needs the serve extra (FastAPI, uvicorn, pydantic): pip install 'deriv-lm[serve]'"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`deriv serve FOLDER [--host --port --continuous-batching --compile --device --dtype]`."""
+    """`deriv serve FOLDER [--host --port --continuous-batching --device --dtype ...]`."""
     parser.description = (
-        "Serve a Deriv language-model folder with transformers' OpenAI-compatible server (/v1/chat/completions, "
-        "/v1/completions, streaming, continuous batching). Needs the serve extra: pip install 'deriv-lm[serve]'."
+        "Serve a Deriv language-model folder over HTTP with the OpenAI API (/v1/chat/completions, /v1/completions, "
+        "streaming, continuous batching). Every request is checked before it is decoded; see docs/serving.md. "
+        "Needs the serve extra: pip install 'deriv-lm[serve]'."
     )
     parser.add_argument("folder", help="an exported Deriv language-model folder")
     parser.add_argument(
@@ -55,68 +55,192 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=integer(minimum=1, maximum=65535), default=8000)
     parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's id in requests and replies (default: the folder's name, never its full path)",
+    )
+    parser.add_argument(
         "--continuous-batching",
         action="store_true",
-        help="decode concurrent requests together in one packed batch over a paged KV cache",
+        help="decode concurrent requests together in one packed batch over a paged KV cache (every request "
+        "then decodes with the folder's sampling settings)",
     )
     parser.add_argument(
         "--cb-num-blocks",
-        type=integer(minimum=1),
+        type=integer(minimum=1, maximum=1 << 20),
         default=None,
         help=f"paged KV cache size in blocks of {PAGE_SIZE} positions (default on the CPU: {CPU_SEQUENCES} full "
         "contexts; on a GPU, transformers sizes it from free memory)",
     )
     parser.add_argument(
         "--cb-max-batch-tokens",
-        type=integer(minimum=1),
+        type=integer(minimum=1, maximum=1 << 20),
         default=None,
         help=f"most tokens in one packed step (default on the CPU: {CPU_BATCH_TOKENS})",
     )
-    parser.add_argument("--compile", action="store_true", help="static cache and torch.compile for the decode step")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
-    parser.add_argument("--dtype", default="auto", help="auto (the weights' own), float32, bfloat16, float16")
-    parser.add_argument("--log-level", default="warning", help="transformers' log level (info shows each request)")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=integer(minimum=1024),
+        default=MAX_BODY_BYTES,
+        help=f"the largest request body; a larger one gets 413 before it is read (default: {MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=integer(minimum=1, maximum=100_000),
+        default=64,
+        help="requests decoded or waiting at once; more get 429 (default: 64)",
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, ... (default: auto)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto: the weights' own"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the server's log level (info shows each request)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace) -> int:
-    from transformers.utils.import_utils import is_serve_available
-
-    if not is_serve_available():
-        raise SystemExit(SERVE_EXTRA)
-    options = {name: getattr(ns, name) for name in ("continuous_batching", "compile", "device", "dtype", "log_level")}
-    options.update(cb_num_blocks=ns.cb_num_blocks, cb_max_batch_tokens=ns.cb_max_batch_tokens)
-    server = start(ns.folder, host=ns.host, port=ns.port, **options)
-    print(f"deriv serve: {ns.folder} on http://{ns.host}:{ns.port}/v1 (Ctrl-C stops it)", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, docker stop, systemd: the same clean stop as Ctrl-C
-    wait(server)
+    check_extra()
+    device = resolve_device(ns.device)
+    sock = listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
+    try:
+        served = load(ns, device)
+    except BaseException:
+        sock.close()
+        raise
+    print(f"deriv serve: {served.name} ({ns.folder}) on {url(ns.host, ns.port)}/v1 (Ctrl-C stops it)", flush=True)
+    try:
+        serve(served, sock, ns.log_level)
+    finally:
+        served.engine.stop()
     return 0
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+def check_extra() -> None:
+    import importlib.util
+
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"{SERVE_EXTRA} (missing: {', '.join(missing)})")
 
 
-def wait(server) -> None:
-    """Block until the server stops or Ctrl-C, then stop everything it started.
+def resolve_device(name: str) -> str:
+    """`auto` as the accelerator torch has (else the CPU); any other name checked against this torch build."""
+    import torch
 
-    subtle: the server runs in its thread and this one stops it with `kill_server`, which also stops the
-    continuous-batching manager and unloads the model (transformers' foreground mode stops uvicorn alone), and
-    handles SIGTERM as Ctrl-C. It polls rather than joins: a `join()` cut short by Ctrl-C leaves the thread
-    reported dead in Python 3.11, `kill_server` then skips the shutdown, and the process never exits.
-    """
+    if name == "auto":
+        return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
     try:
-        while server._thread.is_alive():
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        raise SystemExit(f"--device {name!r} is not a device torch knows ({error}); try cpu or cuda") from None
+    if device.type == "cpu":
+        return name
+    backend = getattr(torch, device.type, None)
+    available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
+    if not available:
+        raise SystemExit(
+            f"--device {name}: this torch ({torch.__version__}) has no usable {device.type} device; use --device "
+            "cpu, or install a torch build for your accelerator"
+        )
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise SystemExit(f"--device {name}: there are {count} {device.type} device(s), numbered from 0")
+    return name
+
+
+def listen(host: str, port: int):
+    """A listening socket on host:port; one line naming the address if it cannot be resolved or bound."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise SystemExit(f"--host {host!r} cannot be resolved ({error}); try 127.0.0.1 or 0.0.0.0") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise SystemExit(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def load(ns: argparse.Namespace, device: str):
+    """The folder, loaded as every command loads one (safetensors only, Deriv's classes, the adapter merged), on
+    its device, behind the engine the flags ask for."""
+    import torch
+
+    from .hub_card.folder import load_folder
+    from .serving.app import Served
+    from .serving.engines import BatchingEngine, GenerateEngine
+
+    folder = check_servable(ns.folder)
+    loaded = load_folder(folder, seq2seq=False)
+    model = loaded.model
+    if ns.dtype != "auto":
+        model = model.to(getattr(torch, ns.dtype))
+    model = model.to(device).eval()
+    generation = model.generation_config
+    generation.num_beams = 1  # a server streams: one beam (greedy or sampling), as the OpenAI API decodes
+    if ns.continuous_batching:
+        from transformers import ContinuousBatchingConfig
+
+        sizes = cpu_batching_options(model.config.max_position_embeddings, device)
+        sizes.update(
+            {k: v for k, v in (("num_blocks", ns.cb_num_blocks), ("max_batch_tokens", ns.cb_max_batch_tokens)) if v}
+        )
+        engine = BatchingEngine(model, generation, ContinuousBatchingConfig(**sizes))
+    else:
+        engine = GenerateEngine(model, generation)
+    name = ns.served_model_name or os.path.basename(os.path.normpath(folder))
+    return Served(
+        name=name,
+        model=model,
+        tokenizer=loaded.tokenizer,
+        engine=engine,
+        max_body_bytes=ns.max_body_bytes,
+        max_concurrent_requests=ns.max_concurrent_requests,
+        aliases=(folder,),
+    )
+
+
+def serve(served, sock, log_level: str = "warning") -> None:
+    """uvicorn on `sock` until SIGINT or SIGTERM (both a graceful stop: requests in flight get 5 s to finish)."""
+    import uvicorn
+
+    from .serving.app import build_app
+
+    config = uvicorn.Config(
+        build_app(served), log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level in ("info", "debug")
+    )
+    # subtle: after its graceful stop uvicorn raises the signal it caught again, for the handler it found; these
+    # handlers take it, so SIGTERM (docker stop, systemd) ends in exit status 0 and Ctrl-C as every command's does
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig)) for sig in STOP_SIGNALS}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
-        server.kill_server()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signal.SIGINT in received:
+        raise KeyboardInterrupt
 
 
 def check_servable(folder: str | os.PathLike) -> str:
-    """The folder as the server will name it, once it is known to hold a Deriv language model; otherwise
-    FileNotFoundError or ValueError naming the folder and the problem."""
+    """The folder, once it is known to hold a Deriv language model; otherwise FileNotFoundError or ValueError
+    naming the folder and the problem."""
     from transformers import AutoConfig
 
     from .modeling_deriv import DerivConfig
@@ -131,55 +255,18 @@ def check_servable(folder: str | os.PathLike) -> str:
     if config.model_type != DerivConfig.model_type:
         kind = "a translation model" if config.is_encoder_decoder else f"a {config.model_type!r} model"
         raise ValueError(
-            f"{folder} holds {kind}; deriv serve serves Deriv language models (transformers' server and its "
-            "continuous batching are decoder-only)"
+            f"{folder} holds {kind}; deriv serve serves Deriv language models (its endpoints and continuous "
+            "batching are decoder-only)"
         )
     return folder
 
 
-def register_with_server() -> None:
-    """Make transformers' server find Deriv's language model by the name in `config.architectures`.
-
-    subtle: the server reads the class off the module object its model manager imported as `transformers`
-    (importing some transformers classes replaces `sys.modules["transformers"]`, so that object is named here,
-    not whatever `import transformers` gives now).
-    """
-    from transformers.cli.serving import model_manager
-
-    from .modeling_deriv import DerivForCausalLM
-
-    setattr(model_manager.transformers, DerivForCausalLM.__name__, DerivForCausalLM)
-
-
-def start(folder: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000, **options):
-    """Serve `folder` with transformers' `Serve`, in a background thread (`wait(server)` blocks on it,
-    `server.kill_server()` stops it). `options` are `Serve`'s (continuous_batching, compile, device, dtype,
-    log_level, cb_num_blocks, ...); on the CPU the paged cache is sized by `cpu_batching_options`. The model is
-    loaded, and the folder checked, before the server listens."""
-    from transformers.cli.serve import Serve
-
-    folder = check_servable(folder)
-    register_with_server()
-    if options.get("continuous_batching"):
-        options = {**cpu_batching_options(folder, options.get("device", "auto")), **_given(options)}
-    return Serve(force_model=folder, host=host, port=port, non_blocking=True, **options)
-
-
-def _given(options: dict) -> dict:
-    return {name: value for name, value in options.items() if value is not None}
-
-
-def cpu_batching_options(folder: str, device: str) -> dict:
-    """`Serve`'s paged-cache sizes for `CPU_SEQUENCES` sequences at the model's full context, when the model will
-    run on the CPU; nothing (transformers' sizing from free memory) on an accelerator."""
-    import torch
-    from transformers import AutoConfig
-
-    on_cpu = device == "cpu" or (device == "auto" and not torch.accelerator.is_available())
-    if not on_cpu:
+def cpu_batching_options(context: int, device: str) -> dict:
+    """The paged-cache sizes for `CPU_SEQUENCES` sequences at the model's full context, on the CPU; nothing
+    (transformers' sizing from free memory) on an accelerator."""
+    if device != "cpu":
         return {}
-    context = AutoConfig.from_pretrained(folder).max_position_embeddings
-    return {"cb_num_blocks": -(-CPU_SEQUENCES * context // PAGE_SIZE), "cb_max_batch_tokens": CPU_BATCH_TOKENS}
+    return {"num_blocks": -(-CPU_SEQUENCES * context // PAGE_SIZE), "max_batch_tokens": CPU_BATCH_TOKENS}
 
 
 class ServerProcess:
@@ -227,9 +314,30 @@ class ServerProcess:
         import json
         import urllib.request
 
-        data = json.dumps({"model": self.folder, **body}).encode()
+        data = json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
         return urllib.request.urlopen(request, timeout=300)
+
+    def send(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """Any request, as raw bytes: (HTTP status, the reply's JSON or None, its headers). Errors are returned,
+        not raised, for the tests that send what a careless or hostile client would."""
+        import http.client
+        import json
+
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        try:
+            connection.request(
+                method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
+            )
+            reply = connection.getresponse()
+            raw = reply.read()
+        finally:
+            connection.close()
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            payload = None
+        return reply.status, payload, dict(reply.getheaders())
 
     def post(self, path: str, body: dict) -> dict:
         import json
