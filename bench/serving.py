@@ -13,7 +13,7 @@ weights, greedy decoding):
    how many prompts got the very same tokens from both.
 2. `deriv serve` in a child process, with and without `--continuous-batching`, and --clients concurrent clients
    each sending --requests completions one after another: requests/s, new tokens/s and the median latency.
-   Without continuous batching transformers' server decodes one request at a time.
+   Without continuous batching the server decodes one request at a time (one `generate()` on one worker thread).
 """
 
 from __future__ import annotations
