@@ -8,12 +8,20 @@ without importing the package, whose `__init__` imports torch and transformers t
 
 Bad input ends in one line, `deriv: error: ...`, naming the flag, file or folder and what is allowed,
 and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead.
+
+Ctrl-C (SIGINT) or SIGTERM ends any command with one line, `deriv: interrupted (SIGINT)`, and exit status 130;
+every folder is written whole or not at all (`atomic_directory`), so nothing half-written is left. The
+`deriv train` commands catch both signals themselves (training/stops.py): in the loop a checkpoint is saved
+first; they end with their own line and the same 130.
 """
 
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from typing import NamedTuple
 
 
@@ -22,7 +30,8 @@ Deriv: train, use, inspect and publish the transformer derived from first princi
 `deriv COMMAND --help` shows a command's arguments.
 
 Bad input ends in one line, `deriv: error: ...`, naming the flag, file or folder and what is allowed,
-and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead."""
+and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead.
+Ctrl-C or SIGTERM ends any command with one line and exit status 130, leaving no half-written folder."""
 
 
 class Command(NamedTuple):
@@ -125,9 +134,52 @@ def one_line(error: BaseException | str) -> str:
     return text or type(error).__name__
 
 
+# The exit status of a command stopped by SIGINT or SIGTERM: 128 + SIGINT, the shell's status for Ctrl-C. SIGTERM
+# gives the same status (not 143): `deriv train` has always answered both with 130, and for a caller both mean
+# "stopped on request, nothing half-written", not a crash.
+INTERRUPTED = 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python's default SIGINT raises KeyboardInterrupt: both unwind the same way, so every
+    `finally` runs (a half-written folder is removed) instead of the process dying where it stands."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C for the duration (only the main thread may set a handler; elsewhere, as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    debug = args.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0")
+    top = build_parser().parse_args(argv)  # the standard library only: --help, a missing or unknown command
+    debug = top.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0")
+    try:
+        with _sigterm_as_interrupt():
+            return _run(top, debug)
+    except KeyboardInterrupt as stop:
+        if debug:
+            raise
+        name = "SIGTERM" if isinstance(stop, Terminated) else "SIGINT"
+        # on a new line: Ctrl-C often lands mid-line (a streamed reply, a progress bar, the terminal's ^C)
+        print(f"\nderiv: interrupted ({name})", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run(top: argparse.Namespace, debug: bool) -> int:
+    """Build the command's parser (importing its room), parse the rest of the line, run it; bad input -> one line."""
+    args = command_parser(top.command).parse_args(top.rest, argparse.Namespace(debug=top.debug, command=top.command))
     try:
         return args.func(args) or 0
     except SystemExit as stop:

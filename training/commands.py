@@ -322,10 +322,10 @@ def _run_training(train, args, cpu: bool) -> int:
     try:
         with handle_stop_signals():  # a stop anywhere in the run, not only in the loop, ends it cleanly
             train(args, cpu=cpu)
-    except TrainingInterrupted as stop:
-        print(f"\n{stop}", file=sys.stderr)
+    except TrainingInterrupted as stop:  # SIGINT or SIGTERM: the status of any interrupted command (cli.py)
+        print(f"\nderiv: {stop}", file=sys.stderr)
         return 130
     except NonFiniteLoss as error:
-        print(f"\n{error}", file=sys.stderr)
+        print(f"\nderiv: {error}", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,197 @@
+"""Ctrl-C (SIGINT) and SIGTERM in any `deriv` command: one line on stderr, exit status 130, no traceback, and no
+output folder, whole or in part.
+
+The commands run as the console script runs them, each in its own process, and the signal is a real one: sent
+from here once the command shows it is at work (the first streamed token, its folder being written), or sent by
+the process to itself at the worst moment (the weights written, the folder not yet in place) where the work is
+too short to catch from outside. A few cheap checks run in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model
+
+from deriv_lm.cli import main
+
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+
+ROOT = Path(__file__).parents[1]
+PROGRESS = re.compile(r"\[\d\d:\d\d[<,]")  # tqdm's "[00:00<?, ...]": a progress bar may stand before the line
+
+
+def start(*argv: str, patch: str = "") -> subprocess.Popen:
+    """`deriv ARGV` as the console script runs it (`deriv_lm_cli.main`), after `patch` (Python source), if any."""
+    code = f"import os, signal, sys\n{patch}\nimport deriv_lm_cli\nsys.exit(deriv_lm_cli.main())\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        process.kill()  # a no-op once it has exited; a process that ignored the signal must not outlive the test
+    return process.returncode, out, err
+
+
+def assert_stopped(status: int, err: str, name: str = "SIGINT") -> None:
+    """Exit 130, no traceback, and the stop is one line, `deriv: interrupted (NAME)`, the last on stderr.
+
+    Lines that third-party imports print as the command starts (torchao's "Failed to load ..." where its
+    compiled kernels do not match this torch) and progress bars may stand before it; no other line of ours."""
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not PROGRESS.search(line)]
+    assert status == 130, f"exit status {status}; stderr: {err[-3000:]}"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert lines[-1:] == [f"deriv: interrupted ({name})"], err[-3000:]
+    assert [line for line in lines if line.startswith("deriv:")] == lines[-1:], err[-3000:]
+
+
+def leftovers(out: Path) -> list[str]:
+    """The folder itself, or the temporary folders a writer of it leaves beside it (`.NAME.partial-*`)."""
+    return sorted(n for n in os.listdir(out.parent) if n == out.name or n.startswith(f".{out.name}."))
+
+
+def wait_for_partial(process: subprocess.Popen, out: Path, timeout: float = 120) -> None:
+    """Until the command has started to write `out` (its temporary folder is there)."""
+    deadline = time.monotonic() + timeout
+    while not any(n.startswith(f".{out.name}.partial-") for n in os.listdir(out.parent)):
+        assert process.poll() is None, f"it ended before writing: {process.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "it did not start writing"
+        time.sleep(0.01)
+
+
+# ---- folders ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_lm(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A tiny language model with a context of 100,000 (sinusoidal positions cost nothing): a generation that runs
+    for minutes unless it is stopped."""
+    folder = tmp_path_factory.mktemp("signals") / "long"
+    make_model(max_position_embeddings=100_000).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory, tiny_tokenizer) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    special = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # the tiny tokenizer's
+    config = GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64, **special)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("signals") / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ---- in this process ----------------------------------------------------------------------------------------------
+
+
+def interrupted_bench(monkeypatch, how):
+    from deriv_lm.bench import training
+
+    monkeypatch.setattr(training, "run", how)
+
+
+def test_ctrl_c_is_one_line_and_130(monkeypatch, capsys):
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+
+    interrupted_bench(monkeypatch, ctrl_c)
+    assert main(["bench", "training", "--steps", "1"]) == 130
+    assert capsys.readouterr().err.strip() == "deriv: interrupted (SIGINT)"
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_its_handler_is_put_back(monkeypatch, capsys):
+    ran_finally = []
+
+    def terminated(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler raises at once; a default SIGTERM would have ended pytest itself
+        finally:
+            ran_finally.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    interrupted_bench(monkeypatch, terminated)
+    assert main(["bench", "training", "--steps", "1"]) == 130
+    assert capsys.readouterr().err.strip() == "deriv: interrupted (SIGTERM)"
+    assert ran_finally == [True]  # every `finally` runs: how a half-written folder is removed
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_debug_shows_the_traceback_of_an_interrupt(monkeypatch):
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+
+    interrupted_bench(monkeypatch, ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--debug", "bench", "training", "--steps", "1"])
+
+
+# ---- in a process of its own: the real signal -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_generating_ends_in_one_line(long_lm, signum):
+    process = start("generate", str(long_lm), "the quick brown fox", "--max-new-tokens", "50000")
+    try:
+        first = process.stdout.read(1)  # the prompt and the first tokens stream out: it is generating
+        assert first, f"it ended before generating: {process.communicate()[1][-3000:]}"
+        process.send_signal(signum)
+    finally:
+        status, _, err = finish(process)
+    assert_stopped(status, err, signal.Signals(signum).name)
+
+
+def test_ctrl_c_while_exporting_to_onnx_leaves_no_folder(gpt2_folder, tmp_path):
+    """The ONNX export traces the model for seconds inside its temporary folder: Ctrl-C lands there."""
+    pytest.importorskip("onnxscript", reason="the onnx extra is not installed (pip install 'deriv-lm[onnx]')")
+    out = tmp_path / "onnx"
+    process = start("export", str(gpt2_folder), "--to", "onnx", "--out", str(out))
+    try:
+        wait_for_partial(process, out)
+        time.sleep(0.5)  # well inside the trace, past the creation of the temporary folder
+        process.send_signal(signal.SIGINT)
+    finally:
+        status, _, err = finish(process)
+    assert_stopped(status, err)
+    assert leftovers(out) == []
+
+
+# The process sends SIGINT to itself as soon as the weights are written into the temporary folder, before the
+# folder is put in place: the moment at which a plain write would leave half a folder.
+CTRL_C_AFTER_THE_WEIGHTS = """
+import transformers
+original = transformers.PreTrainedModel.save_pretrained
+def save_pretrained(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGINT)
+transformers.PreTrainedModel.save_pretrained = save_pretrained
+"""
+
+
+@pytest.mark.parametrize("command", ["import", "quantize"])
+def test_ctrl_c_while_writing_a_folder_leaves_none(command, gpt2_folder, long_lm, tmp_path):
+    if command == "quantize":
+        pytest.importorskip("torchao", reason="deriv quantize needs the quantize extra")
+    source = gpt2_folder if command == "import" else long_lm
+    out = tmp_path / "out"
+    status, _, err = finish(start(command, str(source), "--out", str(out), patch=CTRL_C_AFTER_THE_WEIGHTS))
+    assert_stopped(status, err)
+    assert leftovers(out) == []
