@@ -21,7 +21,6 @@ Where the code departs from the 2017 paper, on purpose:
 
 import math
 import os
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,6 +35,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -50,20 +50,25 @@ from .configuration_deriv import DerivConfig
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def renamed_cache(forward: Callable) -> Callable:
+    """From transformers 5.24, a forward's old `past_key_values=` is renamed `cache` by the library's own
+    deprecation helper, with the FutureWarning and wording of GPT-2's and Marian's forwards ("`past_key_values`
+    is deprecated and will be removed in version 5.40.0 for `DerivForCausalLM.forward`. Use `cache` instead."),
+    so that tools and filters that know the library's deprecations know this one. Before 5.24 it is the
+    current name, which generate() passes, and `take_cache` takes it without a word."""
+    if CACHE_NAME != "cache":
+        return forward
+    return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+
 def take_cache(cache: Cache | None, kwargs: dict) -> Cache | None:
     """The cache however the caller named it: `cache`, or `past_key_values` (popped from `kwargs`), the name
-    before transformers 5.24 and deprecated after it, as it is for the library's own models."""
+    before transformers 5.24 (after it, `renamed_cache` has already renamed it, warning)."""
     past_key_values = kwargs.pop("past_key_values", None)
     if past_key_values is None:
         return cache
     if cache is not None:
         raise ValueError("Pass the KV cache once: as `cache`, or as `past_key_values` before transformers 5.24.")
-    if CACHE_NAME == "cache" and not torch.compiler.is_compiling():
-        warnings.warn(
-            "`past_key_values` was renamed `cache` in transformers 5.24 and will be removed; pass `cache` instead.",
-            FutureWarning,
-            stacklevel=3,
-        )
     return past_key_values
 
 
@@ -439,6 +444,7 @@ class DerivModel(DerivPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
+    @renamed_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -492,6 +498,7 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @can_return_tuple
+    @renamed_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -44,6 +44,7 @@ from .modeling_deriv import (
     embed_checked,
     mark_output_norm,
     position_embedding,
+    renamed_cache,
     take_cache,
 )
 
@@ -206,6 +207,7 @@ class DerivDecoder(DerivSeq2SeqStack):
 
     @merge_with_config_defaults
     @capture_outputs
+    @renamed_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -284,6 +286,7 @@ class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
             self.encoder.embed_tokens = value
 
     @can_return_tuple
+    @renamed_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -389,6 +392,7 @@ class DerivForConditionalGeneration(DerivSeq2SeqPreTrainedModel, GenerationMixin
         return cache
 
     @can_return_tuple
+    @renamed_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -301,6 +301,27 @@ def test_a_good_decode_step_reads_no_values_to_check_them(tiny_model, monkeypatc
     assert out.shape == (1, 10)
 
 
+def test_the_old_cache_name_warns_in_the_words_of_the_librarys_own_models(tiny_model):
+    """`past_key_values=` (the name before transformers 5.24) still works, and warns through transformers' own
+    deprecation helper exactly as GPT-2 does, so filters and tools that know the library's wording know ours."""
+    from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+    from deriv_lm.modeling_deriv.modeling_deriv import CACHE_NAME
+
+    if CACHE_NAME != "cache":
+        pytest.skip("before transformers 5.24, `past_key_values` is the current name and does not warn")
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=4, bos_token_id=1, eos_token_id=2))
+    x = ids(batch=1, length=5)
+    said = {}
+    for model in (tiny_model, gpt2.eval()):
+        with pytest.warns(FutureWarning) as record, torch.no_grad():
+            out = model(x, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        assert out.cache.get_seq_length() == 5  # the cache given under the old name is the one filled
+        said[model] = [(w.category, str(w.message).replace(type(model).__name__, "MODEL")) for w in record]
+    assert said[tiny_model] == said[gpt2] and len(said[gpt2]) == 1, said
+    assert "`past_key_values` is deprecated" in said[gpt2][0][1] and "Use `cache` instead" in said[gpt2][0][1]
+
+
 def test_exactly_one_of_ids_or_embeds(tiny_model):
     with pytest.raises(ValueError, match="exactly one"):
         tiny_model()
