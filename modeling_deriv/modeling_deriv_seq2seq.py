@@ -254,9 +254,26 @@ class DerivDecoder(DerivSeq2SeqStack):
         )
 
 
+def _embedding_over(shared: DerivScaledWordEmbedding) -> DerivScaledWordEmbedding:
+    """A side's own embedding module for the library to tie to `shared` (in post_init, and in from_pretrained
+    once the weights are in). Until then its Parameter is a second handle on the same matrix: made without
+    drawing a random number (on the meta device), and marked initialised when `shared` is, so that no init
+    draws the matrix again and a model built after `torch.manual_seed` has the weights it always had."""
+    with torch.device("meta"):
+        side = DerivScaledWordEmbedding(shared.num_embeddings, shared.embedding_dim, shared.embed_scale != 1.0)
+    side.weight = nn.Parameter(shared.weight.data, requires_grad=shared.weight.requires_grad)
+    side._is_hf_initialized = getattr(shared, "_is_hf_initialized", False)
+    return side
+
+
 class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
     """Encoder and decoder around one shared embedding matrix; returns the decoder's last hidden states."""
 
+    # subtle: each side has an embedding module (and, until the library ties it, a Parameter) of its own over the
+    # one matrix, tied as parameters (BART's and Marian's way), not the `shared` module under three names. With
+    # one tensor from the start, from_pretrained marks `shared.weight` loaded as soon as it marks the tied
+    # `encoder.embed_tokens.weight`, so a checkpoint without the embedding loaded with nothing in `missing_keys`
+    # and the table left as uninitialised memory.
     _tied_weights_keys = {
         "encoder.embed_tokens.weight": "shared.weight",
         "decoder.embed_tokens.weight": "shared.weight",
@@ -266,14 +283,25 @@ class DerivSeq2SeqModel(DerivSeq2SeqPreTrainedModel):
         super().__init__(config)
         if config.share_encoder_decoder_embeddings:
             self.shared = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
+            # Built around `shared` itself, the sides draw the matrix once, so a model built after
+            # `torch.manual_seed` has the weights it always had; then each gets its own module holding it.
             self.encoder = DerivEncoder(config, self.shared)
             self.decoder = DerivDecoder(config, self.shared)
+            self.encoder.embed_tokens = _embedding_over(self.shared)
+            self.decoder.embed_tokens = _embedding_over(self.shared)
         else:
             # Two vocabularies (Marian's separate ones): each side builds its own table and nothing is `shared`.
             self._tied_weights_keys = {}
             self.encoder = DerivEncoder(config)
             self.decoder = DerivDecoder(config)
         self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """The library ties nothing when `tie_word_embeddings=False`; that flag is about the output projection
+        (`DerivForConditionalGeneration`), and one vocabulary stays one table for both sides without it."""
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return dict(self._tied_weights_keys or {})
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The source's embedding (the one shared matrix, or the encoder's own)."""

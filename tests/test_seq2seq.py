@@ -131,6 +131,58 @@ def test_weights_stay_tied_after_save_and_load(tmp_path):
     )
 
 
+def test_a_checkpoint_without_the_shared_embedding_reports_it_missing_as_bart_does(tmp_path):
+    # transformers' common model tests: what a checkpoint lacks is in `missing_keys`, tied names included. Deriv's
+    # sides once held the `shared` module itself; from_pretrained then counted the table as loaded and listed
+    # nothing, and the model ran on uninitialised memory.
+    from safetensors.torch import save_file
+    from transformers import BartConfig, BartForConditionalGeneration, BartModel
+
+    from deriv_lm.modeling_deriv.modeling_deriv_seq2seq import DerivSeq2SeqModel
+
+    bart = BartConfig(
+        vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+    )  # fmt: skip
+    deriv = DerivSeq2SeqConfig(**SEQ2SEQ)
+    for name, (ours, theirs) in {
+        "head": (DerivForConditionalGeneration(deriv), BartForConditionalGeneration(bart)),
+        "base": (DerivSeq2SeqModel(deriv), BartModel(bart)),
+    }.items():
+        missing = []
+        for model in (ours, theirs):
+            folder = tmp_path / f"{name}-{type(model).__name__}"
+            model.save_pretrained(folder)
+            stored = load_file(folder / "model.safetensors")
+            save_file({k: v for k, v in stored.items() if "shared" not in k}, folder / "model.safetensors")
+            _, info = type(model).from_pretrained(folder, output_loading_info=True)
+            missing.append(info["missing_keys"])
+        assert missing[0] == missing[1], name
+        prefix = "model." if name == "head" else ""
+        assert {f"{prefix}shared.weight", f"{prefix}encoder.embed_tokens.weight"} <= missing[0], name
+
+
+def test_a_seeded_model_draws_the_weights_the_single_module_build_drew(monkeypatch):
+    # The sides' own embedding modules (the tie above) are made without drawing a random number, so a fixed seed
+    # gives the weights it gave when both sides held the `shared` module itself (which the patch rebuilds).
+    from deriv_lm.modeling_deriv import modeling_deriv_seq2seq
+
+    built = {}
+    for how in ("a module per side", "one module"):
+        if how == "one module":
+            monkeypatch.setattr(modeling_deriv_seq2seq, "_embedding_over", lambda shared: shared)
+        torch.manual_seed(0)
+        built[how] = model = DerivForConditionalGeneration(DerivSeq2SeqConfig(**SEQ2SEQ))
+        shared = model.model.shared
+        assert (model.model.encoder.embed_tokens is shared) == (how == "one module")
+        for side in (model.model.encoder, model.model.decoder):
+            assert side.embed_tokens.weight is shared.weight and model.lm_head.weight is shared.weight
+    ours, before = (built[how].state_dict() for how in ("a module per side", "one module"))
+    assert ours.keys() == before.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, before[name]), name
+
+
 def translation_preset_config(**overrides) -> DerivSeq2SeqConfig:
     """The shape `deriv train translation` builds by default (its `tiny` preset: V 4096, d 256, 3 + 3 layers)."""
     args = TranslationTrainingArguments(**TRANSLATION_PRESETS["tiny"])
