@@ -1,8 +1,11 @@
 """Folders in, folders out: a native checkpoint imported as a Deriv folder, a Deriv folder exported as native.
 
-Each direction loads with the library's own classes (never `trust_remote_code`), maps the weights through the
-tables in `gpt2.py` and `marian.py`, checks that every tensor found a place, and writes the new folder beside
-its target and renames it in whole, with the source's tokenizer and generation config carried over unchanged.
+Each direction loads with the library's own classes (never `trust_remote_code`) through `load_weights`, which
+reads safetensors only (a pickled checkpoint is refused unopened) and refuses a checkpoint that lacks a tensor
+of the model or holds one of another shape; it maps the weights through the tables in `gpt2.py` and `marian.py`,
+checks that every tensor found a place, and writes the new folder beside its target and renames it in whole,
+with the source's tokenizer and generation config carried over unchanged. Export reads Deriv folders only, and
+import the native types it knows (`IMPORTERS`), each as its config.json names it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 
 import torch
 
+from ..hub_card.folder import DERIV_MODEL_TYPES, check_model_type, load_weights, read_folder
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
 from ..tokenization.files import atomic_directory
 from . import gpt2, marian
@@ -75,7 +79,7 @@ def import_gpt2(source: str, out: str | os.PathLike) -> str:
     from transformers import GPT2LMHeadModel
 
     _refuse_existing(out)
-    model = gpt2_twin(GPT2LMHeadModel.from_pretrained(source)).eval()
+    model = gpt2_twin(load_weights(GPT2LMHeadModel, source)).eval()
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(source, tmp, model)
         model.save_pretrained(tmp)
@@ -84,14 +88,14 @@ def import_gpt2(source: str, out: str | os.PathLike) -> str:
 
 def native_gpt2(folder: str | os.PathLike):
     """The `GPT2LMHeadModel` a folder holds: itself (a GPT-2 folder) or the twin of a GPT-2-shaped Deriv one."""
-    from transformers import AutoConfig, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    kind = AutoConfig.from_pretrained(folder).model_type
+    kind = model_type(folder)
     if kind == "gpt2":
-        return GPT2LMHeadModel.from_pretrained(folder).eval()
+        return load_weights(GPT2LMHeadModel, folder).eval()
     if kind != "deriv":
         raise ValueError(f"{folder} is a {kind!r} model, not a decoder with a GPT-2 twin (deriv or gpt2).")
-    model = DerivForCausalLM.from_pretrained(folder)
+    model = load_weights(DerivForCausalLM, folder)
     config = gpt2.gpt2_config(model.config)  # says which switches differ, where there is no twin
     native = GPT2LMHeadModel(config)
     _load_exact(native, gpt2.to_gpt2(model.state_dict(), config.n_layer), set())
@@ -119,7 +123,7 @@ def import_marian(source: str, out: str | os.PathLike) -> str:
     from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
 
     _refuse_existing(out)
-    model = marian_twin(MarianMTModel.from_pretrained(source)).eval()
+    model = marian_twin(load_weights(MarianMTModel, source)).eval()
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(source, tmp, model)
         # as a trained translation folder: the pipeline rides along (custom_pipelines and its code), so
@@ -134,7 +138,10 @@ def export_marian(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     from transformers import MarianMTModel
 
     _refuse_existing(out)
-    model = DerivForConditionalGeneration.from_pretrained(folder).eval()
+    kind = model_type(folder)
+    if kind != "deriv_seq2seq":
+        raise ValueError(f"{folder} is a {kind!r} model, not an encoder-decoder with a Marian twin (deriv_seq2seq).")
+    model = load_weights(DerivForConditionalGeneration, folder).eval()
     native = MarianMTModel(marian.marian_config(model.config)).eval()
     _load_exact(native, marian.to_marian(model.state_dict(), model.config), _MARIAN_TABLES)
     with atomic_directory(out) as tmp:
@@ -149,21 +156,31 @@ IMPORTERS = {"gpt2": import_gpt2, "marian": import_marian}
 EXPORTERS = {"gpt2": export_gpt2, "marian": export_marian}
 
 
-def import_model(source: str, out: str | os.PathLike) -> str:
-    """Import whatever `source`'s config.json names, if Deriv knows that architecture."""
+def model_type(folder: str | os.PathLike) -> str | None:
+    """The model type a folder's config.json names, read as written (no class is chosen, no code runs); a Hub
+    id's through AutoConfig."""
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(source).model_type
-    if model_type not in IMPORTERS:
-        raise ValueError(f"{source} is a {model_type!r} model; deriv import reads {sorted(IMPORTERS)}.")
-    return IMPORTERS[model_type](source, out)
+    if os.path.isdir(folder):
+        return read_folder(folder).config.get("model_type")
+    return AutoConfig.from_pretrained(folder).model_type
+
+
+def import_model(source: str, out: str | os.PathLike) -> str:
+    """Import whatever `source`'s config.json names, if Deriv knows that architecture."""
+    kind = model_type(source)
+    if kind not in IMPORTERS:
+        raise ValueError(f"{source} is a {kind!r} model; deriv import reads {sorted(IMPORTERS)}.")
+    return IMPORTERS[kind](source, out)
 
 
 def export_model(folder: str | os.PathLike, to: str, out: str | os.PathLike) -> str:
-    if to == "onnx":
+    """Write a Deriv folder as `to` (gpt2, marian, onnx) in `out`; a folder of another type is refused."""
+    if to == "onnx":  # (which also takes a native GPT-2 folder, as `native_gpt2` does)
         from .onnx import export_onnx
 
         return export_onnx(folder, out)
     if to not in EXPORTERS:
         raise ValueError(f"--to {to!r}: deriv export writes {sorted(EXPORTERS) + ['onnx']}.")
+    check_model_type(folder, model_type(folder), DERIV_MODEL_TYPES, consent=None)
     return EXPORTERS[to](folder, out)

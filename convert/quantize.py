@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..hub_card.folder import read_folder
+from ..hub_card.folder import check_model_type, load_weights, read_folder
 from ..tokenization.files import atomic_directory
 from .folders import _refuse_existing
 
@@ -58,14 +58,14 @@ def quantize_model(folder: str | os.PathLike, scheme: str = "weight-only"):
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, TorchAoConfig
 
     info = read_folder(folder)  # FileNotFoundError for a missing folder or one without config.json
+    check_model_type(folder, info.config.get("model_type"), consent=None)  # Deriv's, which need no remote code
     if info.config.get("quantization_config"):
         method = info.config["quantization_config"].get("quant_method", "unknown")
         raise ValueError(f"{folder} is already quantized ({method}); quantize its float source instead.")
-    if info.config.get("model_type") not in ("deriv", "deriv_seq2seq"):
-        raise ValueError(f"{folder} holds a {info.config.get('model_type')!r} model, not a Deriv one.")
     quantization = TorchAoConfig(_torchao_config(scheme))
     auto = AutoModelForSeq2SeqLM if info.is_seq2seq else AutoModelForCausalLM
-    return auto.from_pretrained(str(folder), quantization_config=quantization).eval()
+    # safetensors only, every tensor present and of its shape, as every load path
+    return load_weights(auto, folder, quantization_config=quantization).eval()
 
 
 def quantize_folder(folder: str | os.PathLike, out: str | os.PathLike, scheme: str = "weight-only") -> str:

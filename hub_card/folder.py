@@ -1,15 +1,20 @@
 """What an exported model folder holds (the contract of DESIGN.md), and the one way to open it.
 
 A card, a dry run and a check are made from `config.json`, `run.json` and the other files alone, the way a
-Hub user would see them. `load_folder` opens the model itself, for every command and room that runs one.
-Nothing here imports the training room.
+Hub user would see them. `load_folder` opens the model itself, for every command and room that runs one;
+`load_weights` is the one `from_pretrained` under it (and under import, export, quantize and --init-from), and
+the promise of both: weights are read from safetensors only (a pickle is never opened: unpickling can run
+code), and a checkpoint that lacks a tensor the model needs, holds one of the wrong shape, or holds tensors the
+model has no place for is refused, never filled in with random values. Nothing here imports the training room.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +23,15 @@ from typing import Any
 # tokenizer's training copy, caches.
 IGNORED = ("checkpoints/*", "tokenizer/*", ".*", "__pycache__/*", "*.pyc")
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.M)
+
+# The model types of DerivConfig and DerivSeq2SeqConfig: what a command that runs Deriv's models loads without
+# --trust-remote-code (tests/test_load_paths.py checks this against the config classes).
+DERIV_MODEL_TYPES = ("deriv", "deriv_seq2seq")
+# The native types `deriv import` turns into Deriv folders; a folder of one is pointed there.
+IMPORTABLE_MODEL_TYPES = ("gpt2", "marian")
+SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+# Weight files `torch.load` would unpickle: PyTorch's, and the names other tools give their pickles.
+PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 @dataclass
@@ -94,9 +108,10 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
     model, `None` takes whichever kind the folder holds. Bad input raises FileNotFoundError or ValueError with
     one message naming the folder and the cause.
 
-    Deriv's model types are registered with the Auto classes when `deriv_lm` is imported, so its folders load
-    through the installed classes and their copied `.py` files never run; a folder of another type runs its own
-    code only with `trust_remote_code`.
+    Only Deriv's model types load (`DERIV_MODEL_TYPES`), through the installed classes (registered with the Auto
+    classes when `deriv_lm` is imported), so a folder's copied `.py` files never run. A folder of another type
+    is refused unless `trust_remote_code`, the user's own consent, which lets it run its own code. Either way
+    the weights go through `load_weights`: safetensors only, every tensor present and of its shape.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -104,6 +119,8 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
     local = os.path.isdir(folder)
     if not local and (os.path.exists(folder) or os.path.isabs(folder) or folder.startswith(".")):
         raise FileNotFoundError(f"{folder}: no such model folder")
+    if local:  # the type as config.json says it, before any class (or code) is chosen by it
+        check_model_type(folder, read_folder(folder).config.get("model_type"), trust_remote_code=trust_remote_code)
 
     def unloadable(error: Exception) -> ValueError:  # a corrupt or foreign folder fails in many ways
         hint = "" if trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
@@ -114,12 +131,14 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
         is_seq2seq = bool(config.is_encoder_decoder)
     except Exception as error:
         raise unloadable(error) from error
+    if not local:
+        check_model_type(folder, config.model_type, trust_remote_code=trust_remote_code)
     if seq2seq is not None and is_seq2seq != seq2seq:
         wanted, found = ("translation", "language") if seq2seq else ("language", "translation")
         raise ValueError(f"{folder} holds a {found} model; this command needs a {wanted} model")
     auto = AutoModelForSeq2SeqLM if is_seq2seq else AutoModelForCausalLM
+    model = load_weights(auto, folder, config=config, trust_remote_code=trust_remote_code).eval()
     try:
-        model = auto.from_pretrained(folder, config=config, trust_remote_code=trust_remote_code).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as error:
         raise unloadable(error) from error
@@ -128,6 +147,171 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
     record_path = os.path.join(folder, "run.json")
     record = _read_json(record_path) if local and os.path.isfile(record_path) else None
     return LoadedFolder(folder, model, tokenizer, config, record)
+
+
+def check_model_type(
+    folder: str | os.PathLike,
+    found: str | None,
+    expected: tuple[str, ...] = DERIV_MODEL_TYPES,
+    trust_remote_code: bool = False,
+    consent: str | None = "--trust-remote-code",
+) -> None:
+    """Raise ValueError unless `found` (a folder's model_type) is one of `expected`, or the user consented to
+    another with `trust_remote_code`; `consent` is the flag the message offers for that (None: the command has
+    none). Without the check a foreign config builds a model of another architecture, or a Deriv model of the
+    default shape, and runs it on whatever weights fit."""
+    if found in expected or trust_remote_code:
+        return
+    if not found:
+        raise ValueError(f"{folder}/config.json has no model_type; it is not a model folder this command can load")
+    hints = []
+    if found in IMPORTABLE_MODEL_TYPES and expected == DERIV_MODEL_TYPES:
+        hints.append(f"`deriv import` converts a {found} folder into a Deriv one")
+    if consent:
+        hints.append(f"if you trust its code, pass {consent}")
+    names = " or ".join(repr(t) for t in expected)
+    wanted = f"a Deriv one (type {names})" if expected == DERIV_MODEL_TYPES else f"one of type {names}"
+    raise ValueError(f"{folder} holds a {found!r} model, not {wanted}" + "".join(f"; {h}" for h in hints))
+
+
+def check_weight_files(folder: str | os.PathLike) -> None:
+    """Raise unless a local folder keeps its weights in safetensors, whole: a folder with only a pickle
+    (`pytorch_model.bin`, ...) is refused with how to convert it, without the pickle being opened, and every
+    `*.safetensors` file must be as long as its header says (`check_safetensors`). A Hub name is left to
+    `from_pretrained(use_safetensors=True)`, which refuses a repository without safetensors."""
+    folder = str(folder)
+    if not os.path.isdir(folder):
+        return
+    names = set(os.listdir(folder))
+    if not names.intersection(SAFETENSORS):
+        pickles = sorted(n for n in names if n.endswith(PICKLED) and os.path.isfile(os.path.join(folder, n)))
+        if not pickles:
+            raise FileNotFoundError(f"{folder} has no model.safetensors (the weights)")
+        try:
+            seq2seq = bool(read_folder(folder).config.get("is_encoder_decoder"))
+        except (OSError, ValueError):
+            seq2seq = False
+        auto = "AutoModelForSeq2SeqLM" if seq2seq else "AutoModelForCausalLM"
+        raise ValueError(
+            f"{folder} has its weights only as a pickle ({', '.join(pickles)}), which deriv never opens (unpickling "
+            f"can run code); convert it once, in a Python you trust it in: `{auto}.from_pretrained(folder)` then "
+            "`.save_pretrained(folder)` writes model.safetensors"
+        )
+    check_safetensors(folder)
+
+
+def load_weights(model_class, folder: str | os.PathLike, **kwargs):
+    """`model_class.from_pretrained(folder, **kwargs)` that reads safetensors only and invents no weight.
+
+    Raises ValueError (one line, naming the file, folder or tensors) for a pickle-only folder, a torn or
+    unreadable safetensors file, a tensor the model needs that the checkpoint lacks (the library would draw it
+    at random), one of another shape, or tensors the model has no place for (the config and the weights
+    describe different models: a layer count lowered in config.json would silently drop layers). Tied weights
+    (the output projection that is the embedding) are not missing: the library re-ties them, and reports only
+    what it could not fill. Names the library itself ignores (`_keys_to_ignore_on_load_*`) stay ignored.
+    """
+    from safetensors import SafetensorError
+
+    check_weight_files(folder)
+    weights = _weights_name(folder)
+    if kwargs.get("quantization_config") is not None and os.path.isdir(folder):
+        _refuse_misfit(weights, mismatched=_misshapen_before_quantizing(model_class, folder, kwargs.get("config")))
+    with _held_load_report() as release:
+        try:
+            model, info = model_class.from_pretrained(
+                str(folder), use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
+        except (SafetensorError, RuntimeError, OSError) as error:  # unreadable bytes, a missing shard, ...
+            raise ValueError(f"{weights}: the weights cannot be read ({_cause(error)})") from error
+        _refuse_misfit(weights, info["missing_keys"], info["mismatched_keys"], info["unexpected_keys"])
+        release()
+    return model
+
+
+def _refuse_misfit(weights: str, missing=(), mismatched=(), unexpected=()) -> None:
+    """One ValueError naming what of the checkpoint `weights` does not fit its model, if anything."""
+    missing, unexpected = sorted(missing), sorted(unexpected)
+    problems = []
+    if missing:
+        problems.append(f"missing {_count(missing, 'tensor')} the model needs: {_some(missing)}")
+    if mismatched:
+        shapes = [f"{k} {tuple(found)} where the model has {tuple(want)}" for k, found, want in sorted(mismatched)]
+        problems.append(f"{_count(shapes, 'tensor')} of the wrong shape: {_some(shapes)}")
+    if unexpected:
+        problems.append(f"{_count(unexpected, 'tensor')} the model has no place for: {_some(unexpected)}")
+    if problems:
+        raise ValueError(f"{weights} does not fit the model its config.json describes: {'; '.join(problems)}")
+
+
+def _misshapen_before_quantizing(model_class, folder: str | os.PathLike, config=None) -> list[tuple]:
+    """(name, shape in the file, shape in the model) of each stored tensor whose shape is not the model's.
+
+    subtle: a quantized load (torchao's, `deriv quantize`) puts each checkpoint tensor in its layer as it comes,
+    whatever its shape, and reports no mismatch; so the headers are compared first with the float model the
+    config describes, built on the meta device (no memory is allocated, no weight drawn). Names that are not the
+    model's are left to the load's own report.
+    """
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = config if config is not None else AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class(config)
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    wrong = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                for key in f.keys():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if key in expected and shape != expected[key]:
+                        wrong.append((key, shape, expected[key]))
+    return wrong
+
+
+def _weights_name(folder: str | os.PathLike) -> str:
+    """The weights file a message names: the folder's model.safetensors (or its shard index), or the folder."""
+    for name in SAFETENSORS:
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(str(folder), name)
+    return str(folder)
+
+
+def _count(items: list, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first `shown` names, and how many more: `a, b, c (and 31 more)`."""
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+@contextmanager
+def _held_load_report():
+    """Hold back what transformers logs while a model loads, and let it out only when `release()` is called.
+
+    subtle: `from_pretrained` logs a many-line LOAD REPORT (missing, unexpected and mismatched tensors) and
+    tie warnings before it returns or raises. `load_weights` turns each of those findings into its one-line
+    refusal, so on a refusal they are dropped; on a load that passes they are logged as they would have been.
+    """
+    logger = logging.getLogger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    released = []
+    logger.addFilter(hold)
+    try:
+        yield lambda: released.append(True)
+    finally:
+        logger.removeFilter(hold)
+        if released:
+            for record in held:
+                logger.handle(record)
 
 
 ADAPTER = "adapter"  # where `deriv train sft --lora --lora-export adapter` puts the LoRA adapter, beside its base

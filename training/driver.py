@@ -1,5 +1,6 @@
 """The driver: every step a training run shares, done once, for any task (`task.py`).
 
+task.open_init_from()                   with --init-from: its model, checked before anything is read or written
 trainer = Trainer(args)                 accelerator, run lock, seeds
 task.load()                             read and split the data (nothing is trained on it before)
 tokenizer = the given one, or one trained on the training split only
@@ -28,6 +29,8 @@ from .trainer import Trainer
 def run(args, task, cpu: bool = False) -> str:
     """Train `task` as `args` say; returns the exported folder."""
     started = time.perf_counter()
+    if args.init_from:  # a folder that cannot start the run stops it here, before the run lock makes its folder
+        task.open_init_from()
     trainer = Trainer(args, cpu=cpu)
     accelerator = trainer.accelerator
     task.say = accelerator.print

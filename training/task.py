@@ -3,10 +3,11 @@
 A task is one file: `lm.py` (causal language modelling), `translation.py` (the encoder-decoder) and `sft.py`
 (chat fine-tuning). The driver calls, in order:
 
+    task.open_init_from()                 with --init-from: its model, checked, before anything is read or written
     task.load()                           read the source and split it (before anything is trained on it)
     task.tokenizer_texts()                the training split's texts, for a new tokenizer
     task.datasets(tokenizer)              (train, validation) datasets, tokenized with `datasets.map`
-    task.start_model(tokenizer)           a new model (`build_model`), or the --init-from folder's
+    task.start_model(tokenizer)           a new model (`build_model`), or the --init-from folder's (opened above)
     task.collator, task.sampler(...)      how the loader makes batches
     task.count_targets(batch)             target tokens in a batch (what the loss averages over)
     task.compute_loss(model, batch, n)    the training loss
@@ -31,6 +32,7 @@ class Task:
     model_class = None  # the PreTrainedModel an --init-from folder must hold
     pipeline_class = None  # a Pipeline the exported folder carries, for `pipeline(model=folder)`
     eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
+    initial = None  # the --init-from model, once `open_init_from` has loaded it
 
     def __init__(self, args):
         self.args = args
@@ -54,18 +56,28 @@ class Task:
         """What the task sets up once its model exists (new or loaded), such as a collator that needs it."""
         return model
 
+    def open_init_from(self) -> torch.nn.Module:
+        """The --init-from folder's model: this task's model type, its weights read from safetensors only and
+        complete (`load_weights`: a pickle is never opened, a missing or misshapen tensor is refused, not drawn
+        at random). The driver calls it first, so a folder that cannot start the run stops it before the data
+        is read or anything is written."""
+        from ..hub_card.folder import load_weights, read_folder
+
+        folder = self.args.init_from
+        expected = self.model_class.config_class.model_type
+        found = read_folder(folder).config.get("model_type")  # config.json as written: no class chosen by it yet
+        if found != expected:
+            raise ValueError(f"--init-from {folder} holds a {found!r} model; this task trains {expected!r} models.")
+        self.initial = load_weights(self.model_class, folder)  # Deriv's types are registered: no remote code
+        return self.initial
+
     def start_model(self, tokenizer) -> torch.nn.Module:
         """The model training starts from: a new one, or the weights and architecture of --init-from."""
         folder = self.args.init_from
         if not folder:
             return self.adopt(self.build_model(tokenizer), tokenizer)
-        from transformers import AutoConfig
-
-        expected = self.model_class.config_class.model_type
-        found = AutoConfig.from_pretrained(folder).model_type  # Deriv's types are registered: no remote code
-        if found != expected:
-            raise ValueError(f"--init-from {folder} holds a {found!r} model; this task trains {expected!r} models.")
-        model = self.model_class.from_pretrained(folder)
+        model = self.initial if self.initial is not None else self.open_init_from()
+        self.initial = None  # the run owns it now
         model.config.dropout = self.args.dropout  # the one model setting a run chooses (read at forward time)
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):

@@ -1,0 +1,372 @@
+"""Loading never unpickles and never invents weights: every command that opens a model folder, against a table
+of hostile folders.
+
+The bases are a tiny native GPT-2 and a tiny native Marian, built here (what `deriv import` reads), and their
+imports: a GPT-2-shaped Deriv language model and a Marian-shaped Deriv translation model (which `deriv export`
+writes back). Each is copied and spoiled one way: its weights only as a pickle (a benign one, and one whose
+unpickling would write a marker file), a tensor missing, none of the model's tensors, a tensor of the wrong
+shape, a tensor the model has no place for, a truncated safetensors file, or a config of another model type.
+Every command that loads that kind of folder must refuse each copy before doing anything else: exit status 2,
+one `deriv: error:` line naming the problem and the file, folder or tensor, nothing logged beside it, no
+traceback, no output, and no pickle ever opened. The unspoiled bases pass every command, so each refusal is
+the spoiling's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deriv_lm.cli import main
+
+
+DATA = Path(__file__).parent / "data"
+PICKLE = "pytorch_model.bin"
+PROGRESS = re.compile(r"\[\d\d:\d\d[<,]")  # tqdm's "[00:00<?, ...]": a bar that started before the refusal
+
+try:  # imported here, outside any test's captured output: torchao prints its own lines as it first loads
+    import torchao  # noqa: F401
+
+    HAS_TORCHAO = True
+except ImportError:
+    HAS_TORCHAO = False
+
+
+class _Planted:
+    """Unpickling this opens `path` for writing: the stand-in for a checkpoint that runs code when loaded."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+# ---- how a folder is spoiled ---------------------------------------------------------------------------
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def _save(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _first_matrix(tensors: dict) -> str:
+    """The first 2-D weight of the first block (a projection every model of the table has)."""
+    return sorted(k for k, t in tensors.items() if t.dim() == 2 and re.search(r"\.0\.", k))[0]
+
+
+def pickle_only(folder: Path, marker: Path) -> str:
+    torch.save(_weights(folder), folder / PICKLE)  # what torch.save of a state dict writes: benign, but a pickle
+    (folder / "model.safetensors").unlink()
+    return PICKLE
+
+
+def malicious_pickle(folder: Path, marker: Path) -> str:
+    torch.save({"weight": _Planted(str(marker))}, folder / PICKLE)
+    (folder / "model.safetensors").unlink()
+    return PICKLE
+
+
+def missing_one(folder: Path, marker: Path) -> str:
+    tensors = _weights(folder)
+    name = _first_matrix(tensors)
+    del tensors[name]
+    _save(folder, tensors)
+    return name
+
+
+def none_of_its_tensors(folder: Path, marker: Path) -> str:
+    _save(folder, {"unrelated.weight": torch.zeros(4, 4)})
+    return "missing"
+
+
+def wrong_shape(folder: Path, marker: Path) -> str:
+    tensors = _weights(folder)
+    name = _first_matrix(tensors)
+    tensors[name] = tensors[name][:-1].clone()  # one row short
+    _save(folder, tensors)
+    return name
+
+
+def extra_tensor(folder: Path, marker: Path) -> str:
+    """Every tensor the model needs, and one it has no place for: weights and config of different models."""
+    _save(folder, {**_weights(folder), "stray.weight": torch.zeros(4, 4)})
+    return "stray.weight"
+
+
+def truncated(folder: Path, marker: Path) -> str:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    return "model.safetensors"
+
+
+def model_type(kind: str):
+    def spoil(folder: Path, marker: Path) -> str:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": kind}))
+        return repr(kind)
+
+    spoil.__name__ = f"type_{kind}"
+    return spoil
+
+
+# name -> spoiler; each returns a string the refusal must contain (the file, the tensor or the type)
+SPOILS = {
+    "pickle": pickle_only,
+    "malicious-pickle": malicious_pickle,
+    "missing-one": missing_one,
+    "no-model-tensors": none_of_its_tensors,
+    "wrong-shape": wrong_shape,
+    "extra-tensor": extra_tensor,
+    "truncated": truncated,
+    "type-bert": model_type("bert"),
+    "type-gpt2": model_type("gpt2"),
+}
+# the source `deriv import` reads is a GPT-2: a config saying GPT-2 is right for it, one saying Deriv is not
+IMPORT_SPOILS = {**{k: v for k, v in SPOILS.items() if k != "type-gpt2"}, "type-deriv": model_type("deriv")}
+
+
+# ---- the commands ----------------------------------------------------------------------------------------
+
+# base folder -> the commands that load it, by name; {folder} is the (spoiled) folder, {out} (a path in the
+# test's own empty folder) the output that must not appear
+COMMANDS = {
+    "lm": {
+        "generate": ["generate", "{folder}", "the fox", "--max-new-tokens", "2", "--no-stream"],
+        "chat": ["chat", "{folder}"],
+        "eval": ["eval", "{folder}", "--files", "{text}", "--max-tokens", "20"],
+        "attention": ["attention", "{folder}", "the fox", "--out", "{out}.png"],
+        "quantize": ["quantize", "{folder}", "--out", "{out}"],
+        "export-gpt2": ["export", "{folder}", "--to", "gpt2", "--out", "{out}"],
+        "train-sft": ["train", "sft", "--init-from", "{folder}", "--files", "{chats}", "--output-dir", "{out}"]
+        + ["--context-length", "32", "--batch-size", "4", "--max-steps", "1", "--eval-every", "1"]
+        + ["--samples", "0", "--no-progress", "--cpu"],
+    },
+    "mt": {
+        "translate": ["translate", "{folder}", "the fox", "--max-new-tokens", "4"],
+        "eval": ["eval", "{folder}", "--files", "{pairs}", "--max-pairs", "2", "--all-pairs", "--num-beams", "1"],
+        "attention": ["attention", "{folder}", "the fox", "--target", "der fuchs", "--out", "{out}.png"],
+        "quantize": ["quantize", "{folder}", "--out", "{out}"],
+        "export-marian": ["export", "{folder}", "--to", "marian", "--out", "{out}"],
+    },
+    "gpt2": {"import": ["import", "{folder}", "--out", "{out}"]},
+    "marian": {"import": ["import", "{folder}", "--out", "{out}"]},
+}
+NATIVE = ("gpt2", "marian")  # the sources `deriv import` reads; the other bases are Deriv folders
+
+
+def cases():
+    for base, commands in COMMANDS.items():
+        for name, command in commands.items():
+            for spoil in IMPORT_SPOILS if base in NATIVE else SPOILS:
+                skip = name == "quantize" and not HAS_TORCHAO
+                marks = [pytest.mark.skip(reason="quantize needs torchao")] if skip else []
+                yield pytest.param(base, spoil, command, id=f"{base}-{spoil}-{name}", marks=marks)
+
+
+# ---- the folders -------------------------------------------------------------------------------------------
+
+
+def tiny_marian(tokenizer):
+    """A MarianMTModel of the tiny shape (one vocabulary, the tokenizer's), as OPUS-MT's are built."""
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=len(tokenizer),
+        decoder_vocab_size=len(tokenizer),
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        forced_eos_token_id=None,
+    )
+    return MarianMTModel(config)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
+    """The bases, each spoiled every way, as `{base}` and `{base}-{spoil}`; also the inputs the commands read.
+    The Deriv bases are imports of the native ones, so that each exports back (`deriv export`)."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from deriv_lm.convert import import_model
+    from deriv_lm.tokenization.bpe import CHAT_TEMPLATE
+
+    root = tmp_path_factory.mktemp("load_paths")
+    found: dict = {"root": root, "marker": root / "unpickled"}
+    config = GPT2Config(
+        vocab_size=len(tiny_tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=tiny_tokenizer.bos_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    for name, model in (("gpt2", GPT2LMHeadModel(config)), ("marian", tiny_marian(tiny_tokenizer))):
+        model.save_pretrained(root / name)
+        tiny_tokenizer.save_pretrained(root / name)
+    import_model(str(root / "gpt2"), root / "lm")
+    import_model(str(root / "marian"), root / "mt")
+    chat_tokenizer = AutoTokenizer.from_pretrained(root / "lm")  # `deriv chat` needs a chat template
+    chat_tokenizer.chat_template = CHAT_TEMPLATE
+    chat_tokenizer.save_pretrained(root / "lm")
+    for base in COMMANDS:
+        found[base] = root / base
+        for name, spoil in (IMPORT_SPOILS if base in NATIVE else SPOILS).items():
+            folder = root / f"{base}-{name}"
+            shutil.copytree(root / base, folder)
+            found[f"{base}-{name}:expected"] = spoil(folder, found["marker"])
+            found[f"{base}-{name}"] = folder
+
+    (root / "text.txt").write_text("the quick brown fox jumps over the lazy dog.\n" * 5)
+    (root / "pairs.tsv").write_text("the fox\tder fuchs\nthe dog\tder hund\n")
+    chats = [
+        {"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
+        for i in range(12)
+    ]
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    found.update(text=root / "text.txt", pairs=root / "pairs.tsv", chats=root / "chats.jsonl")
+    assert not found["marker"].exists()
+    return found
+
+
+def argv_for(command: list[str], folder: Path, folders: dict, out: Path) -> list[str]:
+    values = dict(folder=folder, out=out, text=folders["text"], pairs=folders["pairs"], chats=folders["chats"])
+    return [arg.format(**values) for arg in command]
+
+
+def run(argv: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    """`deriv argv` in this process: (exit status, stdout, stderr). Standard input is empty (chat ends at once)."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as stop:
+        status = stop.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def library_log() -> list[logging.LogRecord]:
+    """What transformers logs at WARNING and above during the test. Its handler writes to the stderr it found
+    when it was first used, which `capsys` does not capture; on a terminal it would stand beside the error."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    yield records
+    library.removeHandler(handler)
+
+
+# ---- the tests -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("base, spoil, command", list(cases()))
+def test_a_hostile_folder_is_refused_in_one_line_before_anything_is_written(
+    base, spoil, command, folders, tmp_path, capsys, monkeypatch, library_log
+):
+    folder, out = folders[f"{base}-{spoil}"], tmp_path / "out"
+    status, stdout, err = run(argv_for(command, folder, folders, out), capsys, monkeypatch)
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not PROGRESS.search(line)]
+    assert status == 2, f"exit status {status!r}; stderr: {err[-3000:]}"
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("deriv: error: "), err[-3000:]
+    assert [record.getMessage() for record in library_log] == []  # no LOAD REPORT beside the one line
+    line = lines[0]
+    assert folders[f"{base}-{spoil}:expected"] in line, line  # the file, the tensor or the type at fault
+    if spoil not in ("missing-one", "wrong-shape", "extra-tensor"):  # those name the tensor (and the file)
+        assert str(folder) in line, line
+    if "pickle" in spoil:
+        assert "save_pretrained" in line and "model.safetensors" in line, line  # how to convert it, and to what
+    assert list(tmp_path.iterdir()) == [], "an output was written"
+    assert not folders["marker"].exists(), "a pickle was unpickled"
+    if command[0] == "train":
+        assert stdout == "", "the run started before the --init-from folder was refused"
+
+
+UNSPOILED = [  # fine-tuning from a sound folder is tests/test_sft.py's (and takes seconds)
+    pytest.param(base, name, id=f"{base}-{name}")
+    for base, commands in COMMANDS.items()
+    for name in commands
+    if name != "train-sft" and (name != "quantize" or HAS_TORCHAO)
+]
+
+
+@pytest.mark.parametrize("base, name", UNSPOILED)
+def test_the_unspoiled_folders_pass_every_command(base, name, folders, tmp_path, capsys, monkeypatch):
+    command = COMMANDS[base][name]
+    status, _, err = run(argv_for(command, folders[base], folders, tmp_path / "out"), capsys, monkeypatch)
+    assert status == 0, err[-3000:]
+
+
+def test_derivs_model_types_are_its_config_classes():
+    from deriv_lm import DerivConfig, DerivSeq2SeqConfig
+    from deriv_lm.hub_card.folder import DERIV_MODEL_TYPES
+
+    assert DERIV_MODEL_TYPES == (DerivConfig.model_type, DerivSeq2SeqConfig.model_type)
+
+
+@pytest.mark.parametrize("spoil", [*SPOILS, "translation"])
+def test_the_servers_call_refuses_each_hostile_folder_with_one_message(spoil, folders):
+    """`deriv serve` opens its folder with `load_folder(folder, seq2seq=False)`: a language model of Deriv's, or
+    FileNotFoundError / ValueError with one line, as for the commands above."""
+    from deriv_lm.hub_card.folder import load_folder
+
+    folder = folders["mt"] if spoil == "translation" else folders[f"lm-{spoil}"]
+    with pytest.raises((ValueError, FileNotFoundError)) as refused:
+        load_folder(folder, seq2seq=False)
+    message = str(refused.value)
+    assert "\n" not in message and str(folder) in message
+    assert ("translation model" if spoil == "translation" else folders[f"lm-{spoil}:expected"]) in message
+    assert not folders["marker"].exists()
+
+
+def test_consent_runs_a_foreign_type_but_never_a_pickle_nor_incomplete_weights(folders):
+    """--trust-remote-code (the user's consent to run another type's code) lets a native GPT-2 folder through
+    `load_folder`; its weights are still read from safetensors only, and whole."""
+    from transformers import GPT2LMHeadModel
+
+    from deriv_lm.hub_card.folder import load_folder
+
+    assert isinstance(load_folder(folders["gpt2"], trust_remote_code=True).model, GPT2LMHeadModel)
+    for spoil in ("malicious-pickle", "missing-one", "wrong-shape", "truncated"):
+        with pytest.raises(ValueError, match=re.escape(folders[f"gpt2-{spoil}:expected"])):
+            load_folder(folders[f"gpt2-{spoil}"], trust_remote_code=True)
+    assert not folders["marker"].exists()
+
+
+def test_a_load_that_passes_keeps_the_librarys_log_and_a_refusal_leaves_no_filter_behind(folders):
+    from transformers import AutoModelForCausalLM
+
+    from deriv_lm.hub_card.folder import load_weights
+
+    modeling = logging.getLogger("transformers.modeling_utils")
+    with pytest.raises(ValueError):
+        load_weights(AutoModelForCausalLM, folders["lm-missing-one"])
+    assert modeling.filters == []
+    assert load_weights(AutoModelForCausalLM, folders["lm"]).config.model_type == "deriv"
+    assert modeling.filters == []
