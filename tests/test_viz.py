@@ -156,13 +156,47 @@ def test_bad_input_is_a_clear_error(lm_dir, tmp_path, monkeypatch, capsys):
         "no cross attention", cli_error(["attention", str(lm_dir), "the quick", "--kind", "cross"], capsys)
     )
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert re.search(
-        r"pip install 'deriv-lm\[viz\]'", cli_error(["picture", "positions", "--out", str(tmp_path / "p.png")], capsys)
+    assert cli_error(["picture", "positions", "--out", str(tmp_path / "p.png")], capsys) == (
+        "deriv: error: deriv picture positions needs the viz extra: pip install 'deriv-lm[viz]'"
     )
-    assert re.search(
-        r"Pictures need matplotlib",
-        cli_error(["attention", str(lm_dir), "the quick", "--out", str(tmp_path / "a.png")], capsys),
+    assert cli_error(["attention", str(lm_dir), "the quick", "--out", str(tmp_path / "a.png")], capsys) == (
+        "deriv: error: deriv attention needs the viz extra: pip install 'deriv-lm[viz]'"
     )
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_long_text_is_counted_whole_and_drawn_up_to_600_tokens(lm_dir, tmp_path, capsys):
+    """40,000 tokens once ran for minutes (a box and two labels each) to a picture too tall to be an image."""
+    from transformers import AutoTokenizer
+
+    from deriv_lm.viz.pictures import MAX_TOKENS_DRAWN
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    sentence = "the quick brown fox jumps over the lazy dog, and a transformer attends to every token. "
+    text = sentence * (50_000 // len(tokenizer(sentence, add_special_tokens=False).input_ids))
+    count = len(tokenizer(text, add_special_tokens=False).input_ids)
+    assert count >= 40_000
+    out = tmp_path / "tokens.png"
+    assert main(["picture", "tokens", str(lm_dir), text, "--out", str(out)]) == 0
+    rows = MAX_TOKENS_DRAWN // 12
+    assert png_size(out) == (round(12 * 0.95 * DPI), round((0.9 * rows + 0.6) * DPI))
+    assert f"deriv: note: {count} tokens; the picture draws the first {MAX_TOKENS_DRAWN}" in capsys.readouterr().err
+
+
+def test_a_picture_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Ctrl-C while the PNG is written leaves neither a truncated picture nor its temporary file."""
+    from deriv_lm.viz.attention import pyplot, save
+
+    fig = pyplot().figure()
+
+    def interrupted(path, **kwargs):
+        open(path, "wb").write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fig, "savefig", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(fig, str(tmp_path / "p.png"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_select_keeps_the_chosen_layers_and_heads():

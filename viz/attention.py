@@ -6,6 +6,7 @@ the eager kernel (`attn_implementation="eager"`), the one path that returns them
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -122,10 +123,24 @@ def plot_attention(maps: AttentionMaps, path: str, average: bool = False, layer_
             ax.set_title(title, fontsize=9)
     fig.suptitle(f"{maps.kind} attention (rows: queries, columns: keys)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
+    save(fig, path)
     panels = sum(1 for ax in fig.axes if ax.images)
     plt.close(fig)
     return path, panels
+
+
+def save(fig, path: str) -> str:
+    """Write `fig` as `path` whole or not at all: under a temporary name beside it, then renamed, so that Ctrl-C
+    midway leaves no truncated picture. The format is the extension's (PNG without one); returns `path`."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.partial-{os.getpid()}")
+    try:
+        fig.savefig(tmp, format=os.path.splitext(name)[1][1:].lower() or "png")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
 
 
 def pyplot():

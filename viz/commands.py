@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ..arguments import integer, number
+from ..cli import command_name, require_extra
 from .attention import load_eager
+from .pictures import MAX_TOKENS_DRAWN
+
+
+# `picture positions` draws a positions x dim table and a positions x positions map of dot products, each on some
+# 400 x 400 pixels: 4096 positions (four times GPT-2's context) is already ten to a pixel, and takes seconds (8192,
+# four times the pixels, takes a dozen). 4096 dimensions is the width of a 7B-parameter model.
+MAX_POSITIONS = 4096
+MAX_DIM = 4096
+# `picture kv-memory` allocates the caches it measures; the largest, the static one at --context and the largest
+# of --batches, may take at most this much. 2 GiB holds the default shape's at batch 455, GPT-2's at 28.
+MAX_KV_BYTES = 2 * 2**30
 
 
 def add_attention_arguments(att: argparse.ArgumentParser) -> None:
@@ -29,14 +42,16 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
     """`deriv picture positions|tokens|temperature|curves|kv-memory`."""
     kinds = pic.add_subparsers(dest="picture", required=True)
     pos = kinds.add_parser("positions", help="the sinusoidal position table and the dot products between positions")
-    pos.add_argument("--positions", type=integer(minimum=1), default=64)
-    pos.add_argument("--dim", type=integer(minimum=2), default=128, help="an even number: sin and cos pairs")
+    pos.add_argument("--positions", type=integer(minimum=1, maximum=MAX_POSITIONS), default=64)
+    pos.add_argument(
+        "--dim", type=integer(minimum=2, maximum=MAX_DIM), default=128, help="an even number: sin and cos pairs"
+    )
     pos.add_argument("--out", default="positions.png")
     pos.set_defaults(func=_plotting(lambda ns: _done(_positions(ns))))
     tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text")
     tok.add_argument("folder")
     add_trust_argument(tok)
-    tok.add_argument("text")
+    tok.add_argument("text", help=f"counted whole; drawn up to its {MAX_TOKENS_DRAWN}th token")
     tok.add_argument("--out", default="tokens.png")
     tok.set_defaults(func=_plotting(lambda ns: _done(_tokens(ns))))
     tmp = kinds.add_parser("temperature", help="next-token distribution at several temperatures, top-k/top-p marked")
@@ -75,13 +90,11 @@ def add_trust_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _plotting(draw):
-    """Run a drawing command; a missing matplotlib becomes the message that says how to install it."""
+    """Run a drawing command, once matplotlib is found (else one line: the pip line of the viz extra)."""
 
     def run(ns: argparse.Namespace) -> int:
-        try:
-            return draw(ns)
-        except ImportError as error:
-            raise SystemExit(f"error: {error}") from error
+        require_extra("viz", command_name(ns))  # before any model is loaded
+        return draw(ns)
 
     return run
 
@@ -102,8 +115,8 @@ def run_attention(ns: argparse.Namespace) -> int:
         if ns.kind not in ("all", *maps):
             raise ValueError(f"{ns.folder} has no {ns.kind} attention; it has {', '.join(maps)}")
         chosen = {kind: select(maps[kind], ns.layers, ns.heads) for kind in kinds}
-    except (ValueError, IndexError) as error:
-        raise SystemExit(f"error: {error}") from error
+    except IndexError as error:
+        raise ValueError(str(error)) from error
     layer_names = ns.layers
     paths = []
     for kind, m in chosen.items():
@@ -130,6 +143,9 @@ def _tokens(ns):
         tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=ns.trust_remote_code)
     except Exception as error:
         raise SystemExit(f"{ns.folder}: no tokenizer there ({error})") from error
+    count = len(tokenizer(ns.text, add_special_tokens=False).input_ids)
+    if count > MAX_TOKENS_DRAWN:
+        print(f"deriv: note: {count} tokens; the picture draws the first {MAX_TOKENS_DRAWN}", file=sys.stderr)
     return token_split(tokenizer, ns.text, ns.out)
 
 
@@ -143,10 +159,7 @@ def _temperature(ns):
         raise SystemExit(
             "`picture temperature` draws a language model's next-token distribution; this is a translation model"
         )
-    try:
-        return temperature(model, tokenizer, ns.text, ns.out, tuple(ns.temperatures), ns.top_k, ns.top_p)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from error
+    return temperature(model, tokenizer, ns.text, ns.out, tuple(ns.temperatures), ns.top_k, ns.top_p)
 
 
 def _curves(ns):
@@ -160,10 +173,19 @@ def _curves(ns):
 
 def _kv_memory(ns):
     # the measurement is the inference bench's (it builds Deriv and GPT-2 at one shape); the drawing is this room's
-    from ..bench.inference import build_models, kv_memory_rows
+    from ..bench.inference import build_models, kv_formula_bytes, kv_memory_rows
     from .pictures import kv_memory
 
     if max(ns.positions) > ns.context:
         raise SystemExit(f"--positions {max(ns.positions)}: past the models' --context {ns.context}")
+    static = kv_formula_bytes(ns.layers, ns.context, ns.hidden, 4, max(ns.batches))
+    if static > MAX_KV_BYTES:
+        fits = MAX_KV_BYTES // kv_formula_bytes(ns.layers, ns.context, ns.hidden, 4, 1)
+        allowed = f"--batches <= {fits} at this shape" if fits else "lower --context, --hidden or --layers"
+        raise SystemExit(
+            f"--batches {max(ns.batches)}: the static KV cache at --context {ns.context} would take "
+            f"{static / 2**30:.1f} GiB (2 x {ns.layers} layers x {ns.context} x {ns.hidden} x 4 B x batch), past the "
+            f"{MAX_KV_BYTES // 2**30} GiB this picture allocates at most: {allowed}"
+        )
     rows = kv_memory_rows(build_models(ns), ns, ns.batches, ns.positions)
     return kv_memory(rows, ns.out, ns.layers, ns.hidden, ns.context)

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .attention import pyplot
+from .attention import pyplot, save
 
 
 def positional_encoding(path: str, positions: int = 64, dim: int = 128) -> str:
@@ -30,34 +30,54 @@ def positional_encoding(path: str, positions: int = 64, dim: int = 128) -> str:
     right.set_title("PE(p) . PE(q)", fontsize=9)
     fig.colorbar(image, ax=right)
     fig.tight_layout()
-    fig.savefig(path)
+    save(fig, path)
     plt.close(fig)
     return path
 
 
-def token_split(tokenizer, text: str, path: str, per_line: int = 12) -> str:
-    """The text as the tokenizer splits it: one coloured box per token, its string above and its id below."""
+# The most tokens `token_split` draws: 50 rows of 12, a picture some 4,100 pixels tall. A longer text is counted
+# whole (in the title) and drawn up to there: past a few hundred boxes nobody reads them, and each costs matplotlib
+# milliseconds (drawn whole, a 40,000-token text took four and a half minutes, to a PNG 270,000 pixels tall).
+MAX_TOKENS_DRAWN = 600
+
+
+def token_split(tokenizer, text: str, path: str, per_line: int = 12, limit: int = MAX_TOKENS_DRAWN) -> str:
+    """The text as the tokenizer splits it: one coloured box per token, its string above and its id below. A text
+    of more than `limit` tokens is counted whole and drawn up to its `limit`-th token."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if not ids:
         raise ValueError("The text is empty")
-    pieces = [tokenizer.decode([i]) for i in ids]
-    rows = [list(range(start, min(start + per_line, len(ids)))) for start in range(0, len(ids), per_line)]
+    shown = ids[:limit]
+    pieces = [tokenizer.decode([i]) for i in shown]
+    rows = -(-len(shown) // per_line)
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(per_line * 0.95, 0.9 * len(rows) + 0.6), dpi=90)
+    from matplotlib.collections import PatchCollection
+
+    height = 0.9 * rows + 0.6  # inches: 0.9 a row, 0.6 for the title
+    fig = plt.figure(figsize=(per_line * 0.95, height), dpi=90)
+    # fixed margins, not tight_layout: it would measure every one of the texts to place the title
+    ax = fig.add_axes((0.01, 0.0, 0.98, 0.9 * rows / height))
     colours = plt.get_cmap("tab20").colors
-    for r, row in enumerate(rows):
-        for c, k in enumerate(row):
-            y = len(rows) - 1 - r
-            ax.add_patch(plt.Rectangle((c, y + 0.1), 0.95, 0.8, color=colours[k % len(colours)], alpha=0.6))
-            # a space is part of the token that follows it (GPT-2 style): shown as a middle dot
-            ax.text(c + 0.47, y + 0.6, repr(pieces[k])[1:-1].replace(" ", "·"), ha="center", va="center", fontsize=8)
-            ax.text(c + 0.47, y + 0.25, str(ids[k]), ha="center", va="center", fontsize=7, color="#333333")
+    boxes = []
+    for k, (piece, i) in enumerate(zip(pieces, shown, strict=True)):
+        x, y = k % per_line, rows - 1 - k // per_line
+        boxes.append(plt.Rectangle((x, y + 0.1), 0.95, 0.8))
+        # a space is part of the token that follows it (GPT-2 style): shown as a middle dot
+        ax.text(x + 0.47, y + 0.6, repr(piece)[1:-1].replace(" ", "·"), ha="center", va="center", fontsize=8)
+        ax.text(x + 0.47, y + 0.25, str(i), ha="center", va="center", fontsize=7, color="#333333")
+    face = [colours[k % len(colours)] for k in range(len(shown))]
+    ax.add_collection(PatchCollection(boxes, facecolors=face, edgecolors="none", alpha=0.6))
     ax.set_xlim(0, per_line)
-    ax.set_ylim(0, len(rows))
+    ax.set_ylim(0, rows)
     ax.axis("off")
-    ax.set_title(f"{len(text)} characters -> {len(ids)} tokens ({len(text) / len(ids):.2f} characters per token)")
-    fig.tight_layout()
-    fig.savefig(path)
+    drawn = "" if len(shown) == len(ids) else f"; the first {len(shown)} drawn"
+    fig.suptitle(
+        f"{len(text)} characters -> {len(ids)} tokens ({len(text) / len(ids):.2f} characters per token){drawn}",
+        y=1 - 0.3 / height,
+        va="center",
+        fontsize=11,
+    )
+    save(fig, path)
     plt.close(fig)
     return path
 
@@ -94,7 +114,7 @@ def temperature(
     axes[0].set_ylabel(f"p(next token | {text!r})")
     fig.suptitle(f"softmax(logits / T); hollow: cut by top-k={top_k} or top-p={top_p}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
+    save(fig, path)
     plt.close(fig)
     return path
 
@@ -120,7 +140,7 @@ def plot_losses(history: list[dict], path: str) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save(fig, path)
     plt.close(fig)
     return True
 
@@ -166,6 +186,6 @@ def kv_memory(rows: list[dict], path: str, layers: int, hidden: int, context: in
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save(fig, path)
     plt.close(fig)
     return path
