@@ -11,6 +11,8 @@ import argparse
 import functools
 import importlib
 
+from ..cli import require_extra
+
 
 KINDS = {
     "decoder": "the decoder against Hugging Face's GPT2LMHeadModel at the same size",
@@ -42,6 +44,8 @@ def add_kind_arguments(parser: argparse.ArgumentParser, kind: str) -> None:
 
 
 def run_kind(kind: str, args: argparse.Namespace) -> int:
+    if kind == "serving" and not args.no_server:  # it starts `deriv serve` in a child process
+        require_extra("serve", "deriv bench serving (without --no-server)")
     return _module(kind).run(args)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..cli import require_extra
+
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     """`deriv import SOURCE --out FOLDER`."""
@@ -60,6 +62,9 @@ def run_import(ns: argparse.Namespace) -> int:
 def run_export(ns: argparse.Namespace) -> int:
     from .folders import export_model
 
+    if ns.to == "onnx":  # writing the graph needs onnx and torch's exporter, onnxscript (running it, onnxruntime)
+        require_extra("onnx", "deriv export --to onnx", ("onnx", "onnxscript"))
+
     out = export_model(ns.folder, ns.to, ns.out)
     print(f"exported {ns.folder} -> {out} ({ns.to})")
     return 0
@@ -68,9 +73,7 @@ def run_export(ns: argparse.Namespace) -> int:
 def run_quantize(ns: argparse.Namespace) -> int:
     from .quantize import quantize_folder
 
-    try:
-        out = quantize_folder(ns.folder, ns.out, ns.scheme)
-    except ImportError as missing:  # torchao, the quantize extra: one line that says what to install
-        raise SystemExit(str(missing)) from missing
+    require_extra("quantize", "deriv quantize", ("torchao.quantization",))  # before the model is loaded
+    out = quantize_folder(ns.folder, ns.out, ns.scheme)
     print(f"quantized {ns.folder} -> {out} (int8, {ns.scheme}); `deriv card {out}` writes its model card")
     return 0

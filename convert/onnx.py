@@ -11,8 +11,10 @@ Needs the `onnx` extra (`pip install deriv-lm[onnx]`: onnx, onnxscript, onnxrunt
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -37,13 +39,14 @@ def export_onnx(folder: str | os.PathLike, out: str | os.PathLike) -> str:
 
     _refuse_existing(out)
     try:
+        import onnx  # noqa: F401  (the graph's format)
         import onnxscript  # noqa: F401  (torch's exporter needs it)
     except ImportError as error:
         raise ImportError("deriv export --to onnx needs the onnx extra: pip install 'deriv-lm[onnx]'") from error
     native = native_gpt2(folder)
     example = torch.ones(1, 8, dtype=torch.long)
     batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence", max=native.config.n_positions)
-    with atomic_directory(out) as tmp, warnings.catch_warnings():
+    with atomic_directory(out) as tmp, warnings.catch_warnings(), _quiet(_REGISTRATION):
         # torch's exporter trips over a deprecation inside torch itself (torch 2.13); nothing the user can act on
         warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)
         # the same Dim object on both inputs is the point: ids and mask share their shape
@@ -61,6 +64,23 @@ def export_onnx(folder: str | os.PathLike, out: str | os.PathLike) -> str:
         native.config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(folder).save_pretrained(tmp)
     return str(out)
+
+
+# torch's exporter logs a warning for each torchvision operator it cannot register when torchvision is missing
+# ("torchvision is not installed. Skipping torchvision::nms"): operators no Deriv model has.
+_REGISTRATION = "torch.onnx._internal.exporter._registration"
+
+
+@contextmanager
+def _quiet(name: str):
+    """The logger `name` says only errors for the duration."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def greedy(session, input_ids: np.ndarray, max_new_tokens: int) -> np.ndarray:

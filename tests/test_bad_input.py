@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 
@@ -107,7 +108,25 @@ def paths(tmp_path_factory) -> dict[str, str]:
     p["lm_no_weights"] = broken("lm_no_weights", p["lm"], lambda t: (t / "model.safetensors").unlink())
     p["lm_bad_tokenizer"] = broken("lm_bad_tokenizer", p["lm"], lambda t: (t / "tokenizer.json").write_text("[]"))
     p["long_prompt"] = "word " * 200  # far past the 32-token context
+    p["marian"] = str(marian_with_sentencepiece(root / "marian"))
     return p
+
+
+def marian_with_sentencepiece(folder):
+    """A tiny OPUS-MT-shaped checkpoint whose tokenizer is SentencePiece's (MarianTokenizer): the marian extra's."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    torch.manual_seed(0)
+    shape = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
+    shape.update(encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32)
+    config = MarianConfig(vocab_size=64, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, **shape)
+    MarianMTModel(config).save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "MarianTokenizer"}))
+    (folder / "vocab.json").write_text(json.dumps({"<pad>": 0, "<unk>": 1, "</s>": 2}))
+    for name in ("source.spm", "target.spm"):
+        (folder / name).write_bytes(b"not read: the tokenizer class needs SentencePiece first")
+    return folder
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -263,6 +282,9 @@ GENERATE_CASES = [
     ["generate", "{lm}", "hello", "--repetition-penalty", "-1"],
     ["generate", "{lm}", "hello", "--presence-penalty", "nan"],
     ["generate", "{lm}", "hello", "--seed", "-1"],
+    ["generate", "{lm}", "hello", "--seed", "4294967296"],
+    ["generate", "{lm}", "hello", "--num-beams", "100000"],
+    ["generate", "{lm}", "hello", "--num-beams", "65"],
     ["generate", "{lm}", "{long_prompt}"],
     ["generate", "{lm}"],
 ]
@@ -272,6 +294,8 @@ TRANSLATE_CASES = [
     ["translate", "{emptydir}", "hello"],
     ["translate", "{mt}", "hello", "--num-beams", "0"],
     ["translate", "{mt}", "hello", "--num-return-sequences", "0"],
+    ["translate", "{mt}", "hello", "--num-beams", "100000"],
+    ["translate", "{mt}", "hello", "--num-return-sequences", "100000"],
     ["translate", "{mt}", "hello", "--num-return-sequences", "3", "--num-beams", "2"],
     ["translate", "{mt}", "hello", "--max-new-tokens", "0"],
     ["translate", "{mt}", "hello", "--length-penalty", "nan"],
@@ -291,6 +315,7 @@ EVAL_CASES = [
     ["eval", "{lm}", "--files", "{latin1}"],
     ["eval", "{lm}", "--files", "{nocol}"],
     ["eval", "{mt}", "--files", "{pairs}", "--num-beams", "0"],
+    ["eval", "{mt}", "--files", "{pairs}", "--num-beams", "100000"],
     ["eval", "{mt}", "--files", "{pairs}", "--max-pairs", "0"],
     ["eval", "{mt}", "--files", "{onecol}"],
     ["eval", "{mt}", "--files", "{missing}"],
@@ -323,7 +348,12 @@ VIZ_CASES = [
     ["picture", "positions", "--positions", "0", "--out", OUT],
     ["picture", "positions", "--dim", "0", "--out", OUT],
     ["picture", "positions", "--dim", "3", "--out", OUT],
+    ["picture", "positions", "--positions", "1000000000", "--out", OUT],
+    ["picture", "positions", "--positions", "4097", "--out", OUT],
+    ["picture", "positions", "--dim", "1000000000", "--out", OUT],
     ["picture", "kv-memory", "--positions", "999", "--out", OUT],
+    ["picture", "kv-memory", "--batches", "100000000", "--out", OUT],
+    ["picture", "kv-memory", "--context", "1000000000", "--positions", "16", "--out", OUT],
     ["picture", "tokens", "{missing_dir}", "hello", "--out", OUT],
     ["picture", "tokens", "{tok}", "", "--out", OUT],
     ["picture", "temperature", "{lm}", "hello", "--temperatures", "1.0", "--out", OUT],
@@ -443,3 +473,66 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(training, "run", broken)
     with pytest.raises(ZeroDivisionError):
         main(["bench-training", "--steps", "1"])
+
+
+# ---- a missing optional extra -------------------------------------------------------------------------------------
+
+# (command, the module made unimportable, how the command is named, the extra that brings the module)
+EXTRA_CASES = [
+    (["attention", "{lm}", "hello", "--out", OUT], "matplotlib", "deriv attention", "viz"),
+    (["picture", "positions", "--out", OUT], "matplotlib", "deriv picture positions", "viz"),
+    (["picture", "tokens", "{tok}", "hello", "--out", OUT], "matplotlib", "deriv picture tokens", "viz"),
+    (["picture", "temperature", "{lm}", "hello", "--out", OUT], "matplotlib", "deriv picture temperature", "viz"),
+    (["picture", "curves", "{lm}", "--out", OUT], "matplotlib", "deriv picture curves", "viz"),
+    (["picture", "kv-memory", "--out", OUT], "matplotlib", "deriv picture kv-memory", "viz"),
+    (["export", "{lm}", "--to", "onnx", "--out", OUT], "onnx", "deriv export --to onnx", "onnx"),
+    (["export", "{lm}", "--to", "onnx", "--out", OUT], "onnxscript", "deriv export --to onnx", "onnx"),
+    (["quantize", "{lm}", "--out", OUT], "torchao", "deriv quantize", "quantize"),
+    (["train", "sft", "--lora", "--output-dir", OUT], "peft", "deriv train sft --lora", "lora"),
+    (["import", "{marian}", "--out", OUT], "sentencepiece", "deriv import", "marian"),
+    (["bench", "serving"], "fastapi", "deriv bench serving (without --no-server)", "serve"),
+]
+
+
+def block(monkeypatch, module: str) -> None:
+    """As if `module` were not installed: it and its submodules, imported already or not, fail to import."""
+    for name in [n for n in sys.modules if n.startswith(f"{module}.")] + [module]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize(
+    "case, module, command, extra", EXTRA_CASES, ids=[f"{case_id(c[0])} without {c[1]}" for c in EXTRA_CASES]
+)
+def test_a_missing_extra_is_one_line_with_the_pip_line(case, module, command, extra, paths, monkeypatch, capsys):
+    argv = [arg.format(**paths) for arg in case]
+    block(monkeypatch, module)
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    finally:
+        left_behind = os.path.exists(OUT.format(**paths))
+        shutil.rmtree(OUT.format(**paths), ignore_errors=True)
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not PROGRESS.search(line)]
+    assert status == 2, err[-2000:]
+    assert lines[-1] == f"deriv: error: {command} needs the {extra} extra: pip install 'deriv-lm[{extra}]'", err
+    assert [line for line in lines if line.startswith("deriv:")] == lines[-1:], err
+    assert not left_behind
+
+
+def test_an_extra_that_is_installed_but_does_not_import_says_why(monkeypatch, capsys):
+    import importlib
+
+    real = importlib.import_module
+
+    def broken(name, *args, **kwargs):
+        if name == "matplotlib":
+            raise ImportError("libfreetype.so.6: cannot open shared object file")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    assert main(["picture", "positions"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "deriv: error: deriv picture positions needs the viz extra (matplotlib is installed but does not import: "
+        "libfreetype.so.6: cannot open shared object file): pip install 'deriv-lm[viz]'"
+    )

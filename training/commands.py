@@ -7,11 +7,12 @@ import os
 import sys
 
 from ..arguments import integer, number
+from ..cli import require_extra
 from ..hub_card.folder import load_folder
 from ..tokenization.corpus import add_corpus_arguments, corpus_from_args
 from . import args as training_args
 from .chat import RESET, Conversation, chat
-from .sampling import add_sampling_arguments, penalty_processors, sampling_options, wanted_new_tokens
+from .sampling import MAX_BEAMS, add_sampling_arguments, penalty_processors, sampling_options, wanted_new_tokens
 
 
 class TaskParser:
@@ -79,7 +80,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("folder")
     gen.add_argument("prompt", help="the text to continue; an empty prompt starts from the <bos> token")
     add_sampling_arguments(gen)
-    gen.add_argument("--num-beams", type=integer(minimum=1), default=None)
+    gen.add_argument("--num-beams", type=integer(minimum=1, maximum=MAX_BEAMS), default=None)
     gen.add_argument("--no-stream", action="store_true", help="print at the end instead of token by token")
     add_trust_argument(gen)
     gen.set_defaults(func=run_generate)
@@ -103,12 +104,13 @@ def add_translate_arguments(tr: argparse.ArgumentParser) -> None:
     """`deriv translate FOLDER TEXT...`."""
     tr.add_argument("folder")
     tr.add_argument("text", nargs="+", help="one or more source sentences")
-    tr.add_argument(
-        "--num-beams", type=integer(minimum=1), default=None, help="default: the folder's generation config"
-    )
+    beams = integer(minimum=1, maximum=MAX_BEAMS)
+    tr.add_argument("--num-beams", type=beams, default=None, help="default: the folder's generation config")
     tr.add_argument("--length-penalty", type=number(), default=None)
-    tr.add_argument("--max-new-tokens", type=integer(minimum=1), default=None)
-    tr.add_argument("--num-return-sequences", type=integer(minimum=1), default=1, help="the best n beams per sentence")
+    tr.add_argument(
+        "--max-new-tokens", type=integer(minimum=1), default=None, help="at most the model's context less one"
+    )
+    tr.add_argument("--num-return-sequences", type=beams, default=1, help="the best n beams per sentence")
     tr.add_argument("--greedy", action="store_true", help="no beam search: the most likely token each step")
     add_trust_argument(tr)
     tr.set_defaults(func=run_translate)
@@ -130,7 +132,10 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--source-lang", default="en", help="translation: source language (default: en)")
     ev.add_argument("--target-lang", default="de", help="translation: target language (default: de)")
     ev.add_argument(
-        "--num-beams", type=integer(minimum=1), default=None, help="translation: default the folder's setting"
+        "--num-beams",
+        type=integer(minimum=1, maximum=MAX_BEAMS),
+        default=None,
+        help="translation: default the folder's setting",
     )
     ev.add_argument(
         "--max-pairs", type=integer(minimum=1), default=None, help="translation: score at most this many pairs"
@@ -231,6 +236,13 @@ def run_translate(ns: argparse.Namespace) -> int:
     }
     if ns.greedy:
         options["num_beams"] = 1
+    if ns.max_new_tokens and ns.max_new_tokens >= context:  # the decoder's first position holds its start token
+        options["max_new_tokens"] = context - 1
+        print(
+            f"deriv: note: at most {context - 1} new tokens, not {ns.max_new_tokens}: the translation must fit the "
+            f"model's context of {context}",
+            file=sys.stderr,
+        )
     n = ns.num_return_sequences
     beams = options.get("num_beams", model.generation_config.num_beams or 1)
     if n > beams:
@@ -308,6 +320,8 @@ def run_sft(namespace: argparse.Namespace) -> int:
     from .sft import train_sft
 
     args = training_args.from_namespace(namespace, training_args.ChatTrainingArguments)
+    if args.lora:
+        require_extra("lora", "deriv train sft --lora")  # before the data is read and the model loaded
     default = training_args.CHAT_PRESETS[args.preset]["init_from"]
     if args.init_from == default and not os.path.isdir(default):
         raise FileNotFoundError(
