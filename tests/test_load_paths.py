@@ -14,6 +14,7 @@ the spoiling's.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
@@ -37,6 +38,7 @@ try:  # imported here, outside any test's captured output: torchao prints its ow
     HAS_TORCHAO = True
 except ImportError:
     HAS_TORCHAO = False
+HAS_SERVE = all(importlib.util.find_spec(name) for name in ("fastapi", "uvicorn", "pydantic"))
 
 
 class _Planted:
@@ -148,6 +150,7 @@ COMMANDS = {
         "attention": ["attention", "{folder}", "the fox", "--out", "{out}.png"],
         "quantize": ["quantize", "{folder}", "--out", "{out}"],
         "export-gpt2": ["export", "{folder}", "--to", "gpt2", "--out", "{out}"],
+        "serve": ["serve", "{folder}", "--port", "{port}"],  # refused before it serves (`serve` is stubbed to fail)
         "train-sft": ["train", "sft", "--init-from", "{folder}", "--files", "{chats}", "--output-dir", "{out}"]
         + ["--context-length", "32", "--batch-size", "4", "--max-steps", "1", "--eval-every", "1"]
         + ["--samples", "0", "--no-progress", "--cpu"],
@@ -171,6 +174,8 @@ def cases():
             for spoil in IMPORT_SPOILS if base in NATIVE else SPOILS:
                 skip = name == "quantize" and not HAS_TORCHAO
                 marks = [pytest.mark.skip(reason="quantize needs torchao")] if skip else []
+                if name == "serve" and not HAS_SERVE:
+                    marks = [pytest.mark.skip(reason="the serve extra is not installed")]
                 yield pytest.param(base, spoil, command, id=f"{base}-{spoil}-{name}", marks=marks)
 
 
@@ -252,14 +257,29 @@ def folders(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
 
 def argv_for(command: list[str], folder: Path, folders: dict, out: Path) -> list[str]:
     values = dict(folder=folder, out=out, text=folders["text"], pairs=folders["pairs"], chats=folders["chats"])
+    values["port"] = free_port()
     return [arg.format(**values) for arg in command]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _would_serve(*args, **kwargs):
+    raise AssertionError("deriv serve loaded the folder and was about to serve it")
+
+
 def run(argv: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    """`deriv argv` in this process: (exit status, stdout, stderr). Standard input is empty (chat ends at once)."""
+    """`deriv argv` in this process: (exit status, stdout, stderr). Standard input is empty (chat ends at once);
+    `deriv serve` fails where it would start serving, so a folder it failed to refuse cannot hang the test."""
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    monkeypatch.setattr("deriv_lm.serve.serve", _would_serve)
     capsys.readouterr()
     try:
         status = main(argv)
@@ -312,7 +332,7 @@ UNSPOILED = [  # fine-tuning from a sound folder is tests/test_sft.py's (and tak
     pytest.param(base, name, id=f"{base}-{name}")
     for base, commands in COMMANDS.items()
     for name in commands
-    if name != "train-sft" and (name != "quantize" or HAS_TORCHAO)
+    if name not in ("train-sft", "serve") and (name != "quantize" or HAS_TORCHAO)  # serving: tests/test_serve.py
 ]
 
 
