@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     table = _cli_without_the_package()
     if table is not None:
         table.build_parser().parse_args(argv)  # exits here for --help, no command or an unknown one
-    from deriv_lm.cli import main as run
-
+    try:
+        from deriv_lm.cli import main as run  # seconds: torch and transformers
+    except KeyboardInterrupt:  # Ctrl-C before any command ran: the same line as a command's
+        print("deriv: interrupted (SIGINT)", file=sys.stderr)
+        return 130
     return run(argv)
 
 

@@ -38,8 +38,7 @@ PAGE_SIZE = 256  # ContinuousBatchingConfig.page_size's default: positions per b
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a message far longer than any context this package trains, far below the RAM
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "starlette")
-SERVE_EXTRA = "deriv serve needs the serve extra (FastAPI, uvicorn, pydantic): pip install 'deriv-lm[serve]'"
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,11 +120,11 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def check_extra() -> None:
-    import importlib.util
+    """The serve extra, importable, or one line with its pip line (openai, in the extra for the tests' client, is
+    not needed to serve)."""
+    from .cli import require_extra
 
-    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
-    if missing:
-        raise SystemExit(f"{SERVE_EXTRA} (missing: {', '.join(missing)})")
+    require_extra("serve", "deriv serve", SERVE_MODULES)
 
 
 def resolve_device(name: str) -> str:

@@ -243,9 +243,11 @@ def test_serve_refuses_a_missing_folder_and_a_translation_model(tmp_path, capsys
 
 
 def test_serve_without_the_extra_says_how_to_install_it(folder, capsys, monkeypatch):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "uvicorn" else object())
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
     line = cli_error(["serve", str(folder)], capsys)
-    assert "pip install 'deriv-lm[serve]'" in line and "uvicorn" in line
+    assert "pip install 'deriv-lm[serve]'" in line
 
 
 def test_serve_refuses_a_port_in_use_an_unknown_host_and_a_missing_device(folder, capsys):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..arguments import check_range
+from .sampling import MAX_BEAMS, MAX_SEED
 
 
 def arg(default, help: str, **kwargs):
@@ -212,8 +213,8 @@ class OptimizationArguments(Checked):
 
     def check(self) -> None:
         _positive(self, "batch_size", "gradient_accumulation_steps", "max_steps")
-        for name in ("warmup_steps", "seed"):
-            check_range(name, getattr(self, name), minimum=0, integral=True)
+        check_range("warmup_steps", self.warmup_steps, minimum=0, integral=True)
+        check_range("seed", self.seed, minimum=0, maximum=MAX_SEED, integral=True)  # numpy's seeds are 32 bits
         check_range("learning_rate", self.learning_rate, above=0)
         check_range("max_grad_norm", self.max_grad_norm, above=0)  # clipping to a negative norm ascends
         check_range("min_lr_ratio", self.min_lr_ratio, minimum=0, maximum=1)
@@ -268,7 +269,7 @@ class TranslationArguments(Checked):
     bleu_pairs: int | None = arg(None, "score BLEU on at most this many test pairs (default: all)")
 
     def check(self) -> None:
-        _positive(self, "num_beams")
+        check_range("num_beams", self.num_beams, minimum=1, maximum=MAX_BEAMS, integral=True)
         _positive(self, "encoder_layers", "decoder_layers", "bleu_pairs", optional=True)
         check_range("label_smoothing", self.label_smoothing, minimum=0, below=1)
 
