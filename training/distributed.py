@@ -83,3 +83,21 @@ def whole_model(model_class, config, state_dict):
     model = model_class(config)
     model.load_state_dict(state_dict)
     return model
+
+
+def one_module_per_tied_embedding(model) -> None:
+    """Under FSDP, make each side of an encoder-decoder use the `shared` embedding module itself.
+
+    subtle: accelerate's FSDP2 puts the input embedding, the final norm and the output projection in one group
+    when the embedding is tied, and torch >= 2.13 refuses a Parameter that two groups hold. The encoder-decoder
+    keeps an embedding module per side over the one shared matrix (BART's way, so that loading reports a missing
+    embedding); the decoder's module would stay in the root group with the same Parameter. One module under
+    three names is the same matrix and the same state-dict names, and one group holds it.
+    """
+    inner = getattr(model, "model", None)
+    shared = getattr(inner, "shared", None)
+    if shared is None:
+        return
+    for side in (inner.encoder, inner.decoder):
+        if side.embed_tokens.weight is shared.weight:
+            side.embed_tokens = shared

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from .checkpoints import Checkpoints, TrainerState, read_metrics
-from .distributed import settle_distributed_mode
+from .distributed import one_module_per_tied_embedding, settle_distributed_mode
 from .optim import choose_mixed_precision, inverse_sqrt, optimizer_and_schedule, warmup_cosine
 from .runlock import acquire_run_lock
 from .stops import STOP, NonFiniteLoss, TrainingInterrupted, deferred_stop, handle_stop_signals
@@ -96,6 +96,8 @@ class Trainer:
                 )
             # non-reentrant: the checkpointed forward may take keyword arguments and works under torch.compile
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            one_module_per_tied_embedding(model)
         optimizer, self.scheduler = optimizer_and_schedule(model, self.args)
         # The schedule counts optimizer steps; prepare() would step it once per process, so it stays unprepared.
         self.model, self.optimizer, self.train_dl, self.eval_dl = self.accelerator.prepare(
