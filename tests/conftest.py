@@ -103,3 +103,53 @@ def corpus_file(tmp_path_factory):
                 break
             f.write(json.dumps({"text": doc}) + "\n")
     return path
+
+
+# ---- the served folder: tests/test_serve.py and tests/test_serve_hostile.py ----------------------------------
+
+SERVED_MESSAGES = [{"role": "system", "content": "4 2"}, {"role": "user", "content": "7 1 3"}]
+
+
+def greedy_numbers_folder(parent, new_tokens: int):
+    """A copy of tests/data/numbers_lm (digits in, number words out: each prompt has a continuation of its own,
+    so a reply that is not the prompt's cannot match) that decodes greedily, `new_tokens` at most."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    folder = Path(parent) / "numbers"
+    shutil.copytree(Path(__file__).parent / "data" / "numbers_lm", folder)
+    (folder / "expected.json").unlink()
+    greedy = dict(do_sample=False, eos_token_id=2, pad_token_id=0, bos_token_id=1, max_new_tokens=new_tokens)
+    GenerationConfig(**greedy).save_pretrained(folder)
+    return folder
+
+
+def served_reference(folder) -> dict:
+    """What generate() gives, in this process, for what the serving tests send: each numbers prompt (read as
+    `deriv serve` reads a completion's text) and SERVED_MESSAGES in the chat template; the model and tokenizer."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected = json.loads((Path(__file__).parent / "data" / "numbers_lm" / "expected.json").read_text("utf-8"))
+    prompts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected["prompts"]]
+
+    def continuation(ids: list[int]) -> str:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+
+    chat = tokenizer.apply_chat_template(SERVED_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return {
+        "completions": {p: continuation(encode(p)) for p in prompts},
+        "chat": continuation(chat),
+        "model": model,
+        "tokenizer": tokenizer,
+    }

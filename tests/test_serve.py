@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_error
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from conftest import SERVED_MESSAGES, cli_error, greedy_numbers_folder, served_reference
+from transformers import AutoModelForCausalLM
 
 from deriv_lm.serve import ServerProcess
 
@@ -32,40 +32,17 @@ pytest.importorskip("openai", reason="the serve extra is not installed (pip inst
 
 DATA = Path(__file__).parent / "data"
 NEW_TOKENS = 16
-GREEDY = dict(do_sample=False, eos_token_id=2, pad_token_id=0, bos_token_id=1, max_new_tokens=NEW_TOKENS)
-MESSAGES = [{"role": "system", "content": "4 2"}, {"role": "user", "content": "7 1 3"}]
+MESSAGES = SERVED_MESSAGES
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve") / "numbers"
-    shutil.copytree(DATA / "numbers_lm", folder)
-    (folder / "expected.json").unlink()
-    GenerationConfig(**GREEDY).save_pretrained(folder)
-    return folder
+    return greedy_numbers_folder(tmp_path_factory.mktemp("serve"), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    """What generate() gives, here, for the prompts the tests send."""
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    expected = json.loads((DATA / "numbers_lm" / "expected.json").read_text(encoding="utf-8"))
-    prompts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected["prompts"]]
-
-    def continuation(ids: list[int]) -> str:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
-
-    completions = {prompt: continuation(tokenizer(prompt)["input_ids"]) for prompt in prompts}
-    chat_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return {
-        "completions": completions,
-        "chat": continuation(chat_ids["input_ids"]),
-        "model": model,
-        "tokenizer": tokenizer,
-    }
+    return served_reference(folder)
 
 
 @pytest.fixture(scope="module", params=[(), ("--continuous-batching",)], ids=["generate", "continuous-batching"])

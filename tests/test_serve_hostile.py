@@ -15,14 +15,14 @@ import concurrent.futures
 import json
 import os
 import random
-import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from conftest import SERVED_MESSAGES, greedy_numbers_folder, served_reference
+from transformers import GenerationConfig
 
 from deriv_lm.serve import ServerProcess
 
@@ -32,45 +32,20 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip ins
 
 DATA = Path(__file__).parent / "data"
 NEW_TOKENS = 12
-GREEDY = dict(do_sample=False, eos_token_id=2, pad_token_id=0, bos_token_id=1, max_new_tokens=NEW_TOKENS)
-MESSAGES = [{"role": "system", "content": "4 2"}, {"role": "user", "content": "7 1 3"}]
+MESSAGES = SERVED_MESSAGES
 PROMPT = "5 3 1 8 :"  # one of the numbers model's prompts (tests/data/numbers_lm/expected.json)
-SOAK_SECONDS = float(os.environ.get("DERIV_SOAK_SECONDS", 40))
+SOAK_SECONDS = float(os.environ.get("DERIV_SOAK_SECONDS", 30))  # per server: a minute across the two
 BODY_LIMIT = 64 * 1024  # the servers here run with --max-body-bytes 65536, so 413 is cheap to provoke
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hostile") / "numbers"
-    shutil.copytree(DATA / "numbers_lm", folder)
-    (folder / "expected.json").unlink()
-    GenerationConfig(**GREEDY).save_pretrained(folder)
-    return folder
+    return greedy_numbers_folder(tmp_path_factory.mktemp("hostile"), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    """generate()'s text, here, for the valid requests the tests send (the numbers model: each prompt its own)."""
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    expected = json.loads((DATA / "numbers_lm" / "expected.json").read_text(encoding="utf-8"))
-    prompts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected["prompts"]]
-
-    def continuation(ids: list[int]) -> str:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
-
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
-
-    chat_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return {
-        "completions": {p: continuation(encode(p)) for p in prompts},
-        "chat": continuation(chat_ids),
-        "model": model,
-        "tokenizer": tokenizer,
-    }
+    return served_reference(folder)
 
 
 @pytest.fixture(scope="module", params=["generate", "continuous-batching"])
@@ -481,7 +456,7 @@ def test_a_request_that_breaks_the_batching_worker_fails_alone(reference):
 
     model, tokenizer = reference["model"], reference["tokenizer"]
     ids = tokenizer(PROMPT, add_special_tokens=False).input_ids
-    generation = GenerationConfig(**GREEDY)
+    generation = GenerationConfig(do_sample=False, eos_token_id=2, pad_token_id=0, max_new_tokens=NEW_TOKENS)
 
     async def drain(job: Job) -> list[int]:
         tokens = []

@@ -19,9 +19,10 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -291,6 +292,25 @@ async def run_job(served: Served, job: Job, reply: Reply):
 # ---- the app ----------------------------------------------------------------------------------------------------
 
 
+class Endpoint(NamedTuple):
+    """What differs between the two generating endpoints."""
+
+    schema: type[Sampling]
+    prompt: Callable  # (served, request) -> the prompt's token ids
+    prompt_field: str  # the field a prompt that does not fit is blamed on
+    kind: str  # the reply's `object`
+    prefix: str  # of the reply's id
+
+    def default_tokens(self, served: Served) -> int | None:
+        """max_tokens when the request leaves it out: the folder's max_new_tokens for a chat, the OpenAI
+        default of 16 for a completion (both then cut to what fits the context)."""
+        return DEFAULT_COMPLETION_TOKENS if self.schema is CompletionRequest else served.generation.max_new_tokens
+
+
+CHAT = Endpoint(ChatRequest, chat_prompt, "messages", "chat.completion", "chatcmpl")
+COMPLETION = Endpoint(CompletionRequest, completion_prompt, "prompt", "text_completion", "cmpl")
+
+
 def build_app(served: Served):
     @asynccontextmanager
     async def lifespan(app):
@@ -326,25 +346,23 @@ def build_app(served: Served):
         logger.exception("deriv serve: an unexpected error on %s", request.url.path)
         return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
+    async def complete(request: Request, endpoint: Endpoint):
+        """The checks of the module docstring, in its order, then the engine."""
+        body = await read_json(request, served.max_body_bytes)
+        parsed = parse(endpoint.schema, body)
+        check_model(served, parsed)
+        sampling = sampling_settings(served, parsed)
+        prompt = await _in_thread(endpoint.prompt, served, parsed)
+        limit = budget(served, parsed, prompt, endpoint.prompt_field, endpoint.default_tokens(served))
+        return await _respond(served, parsed, prompt, limit, sampling, endpoint.kind, endpoint.prefix)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_json(request, served.max_body_bytes)
-        chat = parse(ChatRequest, body)
-        check_model(served, chat)
-        sampling = sampling_settings(served, chat)
-        prompt = await _in_thread(chat_prompt, served, chat)
-        limit = budget(served, chat, prompt, "messages", served.generation.max_new_tokens)
-        return await _respond(served, chat, prompt, limit, sampling, "chat.completion", "chatcmpl")
+        return await complete(request, CHAT)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_json(request, served.max_body_bytes)
-        completion = parse(CompletionRequest, body)
-        check_model(served, completion)
-        sampling = sampling_settings(served, completion)
-        prompt = await _in_thread(completion_prompt, served, completion)
-        limit = budget(served, completion, prompt, "prompt", DEFAULT_COMPLETION_TOKENS)
-        return await _respond(served, completion, prompt, limit, sampling, "text_completion", "cmpl")
+        return await complete(request, COMPLETION)
 
     @app.get("/v1/models")
     async def models():
