@@ -394,7 +394,7 @@ def build_app(served: Served):
                 status=429,
                 type="rate_limit_error",
             )
-        job = Job(prompt, limit)
+        job = Job(prompt, limit, token_by_token=bool(request.stream or request.stop))
         reply = Reply(served.tokenizer, request.stop, served.eos_ids())
         settings, processors = sampling
         head = {

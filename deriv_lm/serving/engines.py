@@ -32,9 +32,12 @@ class JobFailed(Exception):
 class Job:
     """One request's decoding: the prompt's ids in, lists of new token ids out on `queue`, then END or JobFailed."""
 
-    def __init__(self, prompt: list[int], max_new_tokens: int):
+    def __init__(self, prompt: list[int], max_new_tokens: int, token_by_token: bool = True):
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
+        # False when the reply is wanted whole (no stream, no stop sequence): the batching engine then hands over
+        # the tokens once, at the end, instead of waking the event loop at every step of every request
+        self.token_by_token = token_by_token
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.cancelled = threading.Event()
@@ -149,7 +152,7 @@ class BatchingEngine:
         self.jobs[request_id] = job
         sent = 0
 
-        def on_output(output) -> None:  # called on the event loop, once per new token
+        def on_output(output) -> None:  # called on the event loop: per new token, or once at the end
             nonlocal sent
             new = output.generated_tokens[sent:]
             sent = len(output.generated_tokens)
@@ -167,7 +170,7 @@ class BatchingEngine:
             job.prompt,
             request_id=request_id,
             max_new_tokens=job.max_new_tokens,
-            streaming=True,
+            streaming=job.token_by_token,
             eos_token_id=self.generation_config.eos_token_id,
         )
         if accepted is None:  # the manager is stopping or restarting: it dropped the request
