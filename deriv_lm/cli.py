@@ -205,19 +205,20 @@ class Terminated(KeyboardInterrupt):
     `finally` runs (a half-written folder is removed) instead of the process dying where it stands."""
 
 
-_INSTALLED_IN: list[int] = []  # the pid of the process that installed the handler
-
-
 def _raise_terminated(signum, frame):
-    """subtle: a process forked while the handler is installed (a `datasets.map(num_proc=...)` worker) inherits
-    it, and its pool ends it with SIGTERM expecting it to die: raising there left a worker alive and the pool's
-    `terminate()` waiting for it for good. In any process but the one that installed it, SIGTERM does what it
-    does by default."""
-    if _INSTALLED_IN and os.getpid() != _INSTALLED_IN[-1]:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
     raise Terminated
+
+
+def _sigterm_default_in_a_child() -> None:
+    """subtle: a process forked while the handler is installed (a `datasets.map(num_proc=...)` worker) would
+    inherit it, and its pool ends it with SIGTERM expecting it to die; a Python handler never runs while the
+    worker waits in the pool's C semaphore (multiprocess as datasets 3 uses it), so `terminate()` waited for
+    good. A child gets SIGTERM's default."""
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_sigterm_default_in_a_child)
 
 
 @contextmanager
@@ -227,11 +228,9 @@ def _sigterm_as_interrupt():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    _INSTALLED_IN.append(os.getpid())
     try:
         yield
     finally:
-        _INSTALLED_IN.pop()
         signal.signal(signal.SIGTERM, previous)
 
 

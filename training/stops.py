@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from contextlib import contextmanager, nullcontext
 
@@ -33,6 +34,16 @@ class StopRequests:
 
 
 STOP = StopRequests()
+
+
+def _default_stops_in_a_child() -> None:
+    """A process forked during a run (a `datasets.map(num_proc=...)` worker) dies on SIGTERM, as its pool expects:
+    `STOP` is the run's handler, and a Python handler never runs while the worker waits in the pool's semaphore."""
+    if signal.getsignal(signal.SIGTERM) is STOP:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_stops_in_a_child)
 
 
 @contextmanager
