@@ -179,7 +179,9 @@ def test_a_long_text_is_counted_whole_and_drawn_up_to_600_tokens(lm_dir, tmp_pat
     out = tmp_path / "tokens.png"
     assert main(["picture", "tokens", str(lm_dir), text, "--out", str(out)]) == 0
     rows = MAX_TOKENS_DRAWN // 12
-    assert png_size(out) == (round(12 * 0.95 * DPI), round((0.9 * rows + 0.6) * DPI))
+    width, height = png_size(out)
+    expected = (12 * 0.95 * DPI, (0.9 * rows + 0.6) * DPI)  # matplotlib versions round a pixel either way
+    assert abs(width - expected[0]) <= 1 and abs(height - expected[1]) <= 1, (width, height)
     assert f"deriv: note: {count} tokens; the picture draws the first {MAX_TOKENS_DRAWN}" in capsys.readouterr().err
 
 
