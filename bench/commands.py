@@ -11,7 +11,7 @@ import argparse
 import functools
 import importlib
 
-from ..cli import require_extra
+from ..errors import require_extra
 
 
 KINDS = {

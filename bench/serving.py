@@ -115,7 +115,8 @@ def served_folder(args, model, folder: str) -> str:
     default corpus, and greedy generation defaults."""
     from transformers import GenerationConfig
 
-    from ..tokenization import default_corpus, save_tokenizer, train_bpe
+    from ..data import default_corpus
+    from ..tokenization import save_tokenizer, train_bpe
 
     documents = [doc for _, doc in zip(range(2000), default_corpus(), strict=False)]
     tokenizer, _ = train_bpe(documents, vocab_size=args.vocab, progress=False)
@@ -211,7 +212,7 @@ def served_prompts(args, folder: str, count: int = 64) -> list[str]:
     --new-tokens in the context (a longer one is refused: the position table ends there)."""
     from transformers import AutoTokenizer
 
-    from ..tokenization import default_corpus
+    from ..data import default_corpus
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     longest = longest_prompt(args)

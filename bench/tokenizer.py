@@ -46,7 +46,8 @@ def _median_seconds(fn, repeats: int) -> tuple[float, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tokenization import SPECIAL_TOKENS, default_corpus, reference_bpe, train_bpe
+    from ..data import default_corpus
+    from ..tokenization import SPECIAL_TOKENS, reference_bpe, train_bpe
     from ..tokenization.bpe import to_transformers
 
     start = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import require_extra
+from ..errors import require_extra
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:

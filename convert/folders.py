@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from ..hub_card.folder import DERIV_MODEL_TYPES, check_model_type, load_weights, read_folder
+from ..folder.atomic import atomic_directory
+from ..folder.load import DERIV_MODEL_TYPES, check_model_type, load_weights, read_folder
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
-from ..tokenization.files import atomic_directory
 from . import gpt2, marian
 
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ..tokenization.files import atomic_directory
+from ..folder.atomic import atomic_directory
 from .folders import _refuse_existing, native_gpt2
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..hub_card.folder import check_model_type, load_weights, read_folder
-from ..tokenization.files import atomic_directory
+from ..folder.atomic import atomic_directory
+from ..folder.load import check_model_type, load_weights, read_folder
 from .folders import _refuse_existing
 
 

@@ -14,6 +14,20 @@ import argparse
 import math
 from collections.abc import Callable
 
+from .errors import UsageError
+
+
+# The widest beam search a command runs (--num-beams, and --num-return-sequences, which cannot exceed it). Each
+# beam keeps a KV cache of its own, so memory grows with the width: 64 beams of the gpt2-124m preset at its full
+# context of 1024 hold 4.8 GB of cache, while 100,000 beams end in an allocation failure or minutes of work. And
+# wider is not better: Koehn & Knowles (2017, "Six Challenges for Neural Machine Translation") saw translation
+# quality fall as beams grew past 5 to 10. The vocabulary would be no bound: every tokenizer here has more ids
+# (256 bytes at least) than anyone would want beams.
+MAX_BEAMS = 64
+
+# torch.manual_seed takes 64 bits, numpy (and transformers' set_seed, which seeds it) 32: a seed that works for all.
+MAX_SEED = 2**32 - 1
+
 
 def _bounds(minimum, maximum, above, below) -> str:
     parts = []
@@ -79,10 +93,20 @@ def number(
 
 def check_range(name: str, value, *, minimum=None, maximum=None, above=None, below=None, integral=False) -> None:
     """The same rule for values that do not come through argparse (config files, the Python API):
-    raise ValueError naming `name` and the range when `value` lies outside it."""
+    raise UsageError naming `name` and the range when `value` lies outside it."""
     kind = "an integer" if integral else "a number"
     wanted = " ".join(filter(None, [kind, _bounds(minimum, maximum, above, below)]))
     if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
-        raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
+        raise UsageError(f"`{name}` must be {wanted}, got {value!r}")
     if not math.isfinite(value) or not _within(value, minimum, maximum, above, below):
-        raise ValueError(f"`{name}` must be {wanted}, got {value!r}")
+        raise UsageError(f"`{name}` must be {wanted}, got {value!r}")
+
+
+# Where a command with sub-commands keeps the one given (its `add_subparsers(dest=...)`).
+_SUBCOMMAND = {"train": "task", "picture": "picture", "bench": "kind", "tokenizer": "tokenizer_command"}
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """`deriv picture tokens`, `deriv train sft`, `deriv bench serving`: the command as typed, for messages."""
+    sub = getattr(args, _SUBCOMMAND.get(args.command, ""), None)
+    return " ".join(filter(None, ["deriv", args.command, sub]))

@@ -18,7 +18,6 @@ first; they end with their own line and the same 130.
 import argparse
 import importlib
 import os
-import re
 import signal
 import sys
 import threading
@@ -47,19 +46,19 @@ COMMANDS = (
         "train a model (lm: the decoder language model; translation: the encoder-decoder; sft: chat fine-tuning)",
         "training.commands:add_arguments",
     ),
-    Command("generate", "generate text from a trained model folder", "training.commands:add_generate_arguments"),
+    Command("generate", "generate text from a trained model folder", "inference.commands:add_generate_arguments"),
     Command(
         "chat",
         "talk with a language-model folder in its chat template, replies streamed",
-        "training.commands:add_chat_arguments",
+        "inference.commands:add_chat_arguments",
     ),
     Command(
-        "translate", "translate text with a trained translation folder", "training.commands:add_translate_arguments"
+        "translate", "translate text with a trained translation folder", "inference.commands:add_translate_arguments"
     ),
     Command(
         "eval",
         "score a model folder: perplexity (language model) or BLEU / chrF (translation)",
-        "training.commands:add_eval_arguments",
+        "inference.commands:add_eval_arguments",
     ),
     Command(
         "card",
@@ -102,70 +101,6 @@ COMMANDS = (
 )
 
 
-# What bad input raises in the rooms (a missing or unreadable file, a value out of range, a missing
-# column). Anything else is a bug and keeps its traceback.
-EXPECTED_ERRORS = (ValueError, OSError, KeyError)
-
-
-# The optional extras of pyproject.toml's [project.optional-dependencies] that a command may need, and the
-# modules each brings. A command that needs one and does not find it ends in one line naming the pip line.
-EXTRAS = {
-    "viz": ("matplotlib",),  # attention, picture
-    "onnx": ("onnx", "onnxscript", "onnxruntime"),  # export --to onnx (writing needs the first two, running all)
-    "quantize": ("torchao",),  # quantize
-    "lora": ("peft",),  # train sft --lora, and folders that hold a LoRA adapter
-    "marian": ("sentencepiece",),  # import of an OPUS-MT checkpoint, and the folders that keep its tokenizer
-    "serve": ("fastapi", "uvicorn", "pydantic", "openai"),  # serve, bench serving
-    "trl": ("trl",),  # no command: the Python API's SFTTrainer
-}
-_EXTRA_OF_MODULE = {module: extra for extra, modules in EXTRAS.items() for module in modules}
-
-
-class MissingExtra(ImportError):
-    """A command needs an optional extra that is not installed (or does not import): one line, the pip line."""
-
-    def __init__(self, command: str, extra: str, broken: str | None = None):
-        why = f" ({broken})" if broken else ""
-        super().__init__(f"{command} needs the {extra} extra{why}: pip install 'deriv-lm[{extra}]'")
-
-
-def require_extra(extra: str, command: str, modules: tuple[str, ...] | None = None) -> None:
-    """Import the modules of `extra` (or those of them that `command` uses), or raise MissingExtra.
-
-    Called where a command starts, before it loads anything, so that a missing extra is found in a blink."""
-    for module in modules or EXTRAS[extra]:
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            missing = isinstance(error, ModuleNotFoundError) and _top(error.name) in EXTRAS[extra]
-            broken = None if missing else f"{module} is installed but does not import: {one_line(error)}"
-            raise MissingExtra(command, extra, broken) from error
-
-
-def missing_extra(error: BaseException, command: str) -> MissingExtra | None:
-    """The MissingExtra an ImportError amounts to: itself, or one raised from a module of an extra not being found
-    (`import x` names it; transformers' checks say "X requires the SentencePiece library"). None for any other
-    error, which is a bug and keeps its traceback."""
-    while isinstance(error, ImportError):
-        if isinstance(error, MissingExtra):
-            return error
-        name = error.name if isinstance(error, ModuleNotFoundError) else _required_library(str(error))
-        if _top(name) in _EXTRA_OF_MODULE:
-            return MissingExtra(command, _EXTRA_OF_MODULE[_top(name)])
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _top(module: str | None) -> str:
-    return (module or "").split(".")[0]
-
-
-def _required_library(message: str) -> str | None:
-    """The module a transformers backend check names: "... requires the SentencePiece library" -> sentencepiece."""
-    found = re.search(r"requires the (\w+) library", message)
-    return found and found.group(1).lower()
-
-
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (the usage is one `--help` away) and the same prefix as ours."""
 
@@ -178,20 +113,6 @@ class _Rest(Parser):
 
     def parse_known_args(self, args=None, namespace=None):
         return argparse.Namespace(rest=list(args or [])), []
-
-
-def bad_input(error: Exception) -> Exception | None:
-    """The error to report in one line if `error` is bad input; None if it is a bug (keep the traceback)."""
-    if type(error).__name__.startswith("StrictDataclass") and error.__cause__ is not None:
-        error = error.__cause__  # huggingface_hub's config validation wraps the config's own ValueError
-    return error if isinstance(error, EXPECTED_ERRORS) else None
-
-
-def one_line(error: BaseException | str) -> str:
-    if isinstance(error, KeyError) and error.args:
-        error = str(error.args[0])  # str(KeyError) adds quotes
-    text = " ".join(str(error).split())
-    return text or type(error).__name__
 
 
 # The exit status of a command stopped by SIGINT or SIGTERM: 128 + SIGINT, the shell's status for Ctrl-C. SIGTERM
@@ -259,21 +180,16 @@ def _run(top: argparse.Namespace, debug: bool) -> int:
             raise
         error = stop.code
     except Exception as caught:
+        from .arguments import command_name
+        from .errors import bad_input, missing_extra
+
         error = bad_input(caught) or missing_extra(caught, command_name(args))
         if error is None or debug:
             raise
+    from .errors import one_line
+
     print(f"deriv: error: {one_line(error)}", file=sys.stderr)
     return 2
-
-
-# Where a command with sub-commands keeps the one given (its `add_subparsers(dest=...)`).
-_SUBCOMMAND = {"train": "task", "picture": "picture", "bench": "kind", "tokenizer": "tokenizer_command"}
-
-
-def command_name(args: argparse.Namespace) -> str:
-    """`deriv picture tokens`, `deriv train sft`, `deriv bench serving`: the command as typed, for messages."""
-    sub = getattr(args, _SUBCOMMAND.get(args.command, ""), None)
-    return " ".join(filter(None, ["deriv", args.command, sub]))
 
 
 def build_parser() -> Parser:

@@ -122,7 +122,7 @@ def run(ns: argparse.Namespace) -> int:
 def check_extra() -> None:
     """The serve extra, importable, or one line with its pip line (openai, in the extra for the tests' client, is
     not needed to serve)."""
-    from .cli import require_extra
+    from .errors import require_extra
 
     require_extra("serve", "deriv serve", SERVE_MODULES)
 
@@ -181,7 +181,7 @@ def load(ns: argparse.Namespace, device: str):
     its device, behind the engine the flags ask for."""
     import torch
 
-    from .hub_card.folder import load_folder
+    from .folder.load import load_folder
     from .serving.app import Served
     from .serving.engines import BatchingEngine, GenerateEngine
 

@@ -11,8 +11,8 @@ import os
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .folder import ModelFolder, code_files, read_folder
-from .record import RunRecord
+from ..folder.load import ModelFolder, code_files, read_folder
+from ..folder.record import RunRecord
 
 
 CITATION = """@inproceedings{vaswani2017attention,

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import textwrap
 
-from .folder import check_safetensors, read_folder
+from ..folder.load import check_safetensors, read_folder
 
 
 HIDE_PACKAGE = textwrap.dedent(

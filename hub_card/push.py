@@ -7,7 +7,7 @@ message and claims nothing.
 
 from __future__ import annotations
 
-from .folder import IGNORED, check_safetensors, missing_files, read_folder, upload_list
+from ..folder.load import IGNORED, check_safetensors, missing_files, read_folder, upload_list
 
 
 class PushError(RuntimeError):

@@ -94,7 +94,7 @@ def cli_error(argv: list[str], capsys) -> str:
 @pytest.fixture(scope="module")
 def corpus_file(tmp_path_factory):
     """120 documents of the default corpus as JSON lines: the training tests' corpus."""
-    from deriv_lm.tokenization import default_corpus
+    from deriv_lm.data import default_corpus
 
     path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
     with open(path, "w") as f:

@@ -35,7 +35,7 @@ TINY_MT += ["--no-progress", "--cpu"]
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
     """Good folders (a language model, a translation model, a tokenizer) and bad files, by placeholder name."""
-    from deriv_lm.tokenization import default_corpus
+    from deriv_lm.data import default_corpus
 
     root = tmp_path_factory.mktemp("bad_input")
     p = {"tmp": str(root)}

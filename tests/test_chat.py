@@ -15,7 +15,7 @@ from conftest import cli_error
 from transformers import AutoTokenizer
 
 from deriv_lm.cli import main
-from deriv_lm.hub_card.folder import load_folder
+from deriv_lm.folder.load import load_folder
 from deriv_lm.training import chat as chat_module
 
 

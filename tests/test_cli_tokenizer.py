@@ -76,7 +76,7 @@ def test_a_folder_written_by_save_to_disk_is_a_dataset(tmp_path, capsys, layout)
     """`--dataset` takes what `Dataset.save_to_disk` wrote, as it takes a Hub name (no network involved)."""
     import datasets
 
-    from deriv_lm.tokenization.corpus import hub_corpus
+    from deriv_lm.data.corpus import hub_corpus
 
     rows = datasets.Dataset.from_dict({"text": [f"document number {i} of the saved corpus" for i in range(50)]})
     saved = rows if layout == "dataset" else datasets.DatasetDict({"train": rows, "test": rows.select(range(5))})

@@ -142,7 +142,7 @@ def test_a_scaled_embedding_is_the_default_and_unscaled_leaves_the_rows_as_they_
 
 @pytest.fixture
 def documents(tmp_path):
-    from deriv_lm.tokenization import default_corpus
+    from deriv_lm.data import default_corpus
 
     path = tmp_path / "docs.jsonl"
     with open(path, "w") as f:

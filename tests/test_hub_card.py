@@ -7,13 +7,14 @@ import pytest
 from huggingface_hub import ModelCard
 
 from deriv_lm.cli import main
-from deriv_lm.hub_card import build_card, check_folder, missing_files, read_folder
+from deriv_lm.folder import missing_files, read_folder
+from deriv_lm.hub_card import build_card, check_folder
 
 
 @pytest.fixture(scope="module")
 def lm_folder(tmp_path_factory):
     """A language model exported by `deriv train lm` (a few steps on a few default-corpus documents)."""
-    from deriv_lm.tokenization import default_corpus
+    from deriv_lm.data import default_corpus
 
     tmp = tmp_path_factory.mktemp("hub_lm")
     corpus = tmp / "corpus.jsonl"

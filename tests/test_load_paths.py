@@ -345,7 +345,7 @@ def test_the_unspoiled_folders_pass_every_command(base, name, folders, tmp_path,
 
 def test_derivs_model_types_are_its_config_classes():
     from deriv_lm import DerivConfig, DerivSeq2SeqConfig
-    from deriv_lm.hub_card.folder import DERIV_MODEL_TYPES
+    from deriv_lm.folder.load import DERIV_MODEL_TYPES
 
     assert DERIV_MODEL_TYPES == (DerivConfig.model_type, DerivSeq2SeqConfig.model_type)
 
@@ -354,7 +354,7 @@ def test_derivs_model_types_are_its_config_classes():
 def test_the_servers_call_refuses_each_hostile_folder_with_one_message(spoil, folders):
     """`deriv serve` opens its folder with `load_folder(folder, seq2seq=False)`: a language model of Deriv's, or
     FileNotFoundError / ValueError with one line, as for the commands above."""
-    from deriv_lm.hub_card.folder import load_folder
+    from deriv_lm.folder.load import load_folder
 
     folder = folders["mt"] if spoil == "translation" else folders[f"lm-{spoil}"]
     with pytest.raises((ValueError, FileNotFoundError)) as refused:
@@ -370,7 +370,7 @@ def test_consent_runs_a_foreign_type_but_never_a_pickle_nor_incomplete_weights(f
     `load_folder`; its weights are still read from safetensors only, and whole."""
     from transformers import GPT2LMHeadModel
 
-    from deriv_lm.hub_card.folder import load_folder
+    from deriv_lm.folder.load import load_folder
 
     assert isinstance(load_folder(folders["gpt2"], trust_remote_code=True).model, GPT2LMHeadModel)
     for spoil in ("malicious-pickle", "missing-one", "wrong-shape", "truncated"):
@@ -382,7 +382,7 @@ def test_consent_runs_a_foreign_type_but_never_a_pickle_nor_incomplete_weights(f
 def test_a_load_that_passes_keeps_the_librarys_log_and_a_refusal_leaves_no_filter_behind(folders):
     from transformers import AutoModelForCausalLM
 
-    from deriv_lm.hub_card.folder import load_weights
+    from deriv_lm.folder.load import load_weights
 
     modeling = logging.getLogger("transformers.modeling_utils")
     with pytest.raises(ValueError):

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from deriv_lm.tokenization.parallel import LOCALE_DIR, Pair, gettext_pairs, split_of, split_pairs
+from deriv_lm.data.parallel import LOCALE_DIR, Pair, gettext_pairs, split_of, split_pairs
 
 
 def write_mo(path, messages: dict[str, str]) -> None:

@@ -359,7 +359,7 @@ def overfit(tiny_tokenizer):
 
 
 def decode(model, tokenizer, texts, **kwargs):
-    from deriv_lm.training.evaluate import translate
+    from deriv_lm.inference.evaluate import translate
 
     return translate(model, tokenizer, texts, **{"num_beams": 1, "max_new_tokens": 20, **kwargs})
 

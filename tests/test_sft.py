@@ -12,7 +12,7 @@ import torch
 from conftest import cli_error, make_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from deriv_lm.tokenization.conversations import (
+from deriv_lm.data.conversations import (
     _default_rows,
     check_messages,
     default_conversations,
@@ -314,7 +314,7 @@ def test_lora_trains_only_the_adapters_on_peft_s_default_targets(lora_runs):
 def test_the_adapter_export_keeps_the_base_and_loads_to_the_same_replies(lora_runs):
     from peft import PeftModel
 
-    from deriv_lm.hub_card.folder import load_folder
+    from deriv_lm.folder.load import load_folder
     from deriv_lm.modeling_deriv.lora_targets import quiet_peft_deprecations
 
     folder = lora_runs["adapter"]
@@ -341,7 +341,7 @@ def test_a_pickled_adapter_is_not_loaded(tmp_path, lora_runs):
     refused before PEFT would unpickle it."""
     import pickle
 
-    from deriv_lm.hub_card.folder import load_folder
+    from deriv_lm.folder.load import load_folder
 
     folder = tmp_path / "planted"
     shutil.copytree(lora_runs["adapter"], folder)

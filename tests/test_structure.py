@@ -7,7 +7,19 @@ import pytest
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ROOMS = ["modeling_deriv", "tokenization", "training", "hub_card", "viz", "bench", "convert", "deriv_lm"]
+ROOMS = [
+    "modeling_deriv",
+    "tokenization",
+    "data",
+    "folder",
+    "training",
+    "inference",
+    "hub_card",
+    "viz",
+    "bench",
+    "convert",
+    "deriv_lm",
+]
 
 
 def sources(*rooms: str):

@@ -15,14 +15,8 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from deriv_lm.tokenization import (
-    SPECIAL_TOKENS,
-    default_corpus,
-    local_corpus,
-    reference_bpe,
-    save_tokenizer,
-    train_bpe,
-)
+from deriv_lm.data import default_corpus, local_corpus
+from deriv_lm.tokenization import SPECIAL_TOKENS, reference_bpe, save_tokenizer, train_bpe
 from deriv_lm.tokenization.bpe import (
     CHAT_TEMPLATE,
     CHAT_TEMPLATE_WITHOUT_MARKS,
@@ -70,7 +64,7 @@ def test_default_corpus_is_deterministic_english_of_about_two_megabytes(tmp_path
         [
             sys.executable,
             "-c",
-            "import hashlib; from deriv_lm.tokenization import default_corpus; "
+            "import hashlib; from deriv_lm.data import default_corpus; "
             "print(hashlib.sha256('\\x1e'.join(default_corpus()).encode()).hexdigest())",
         ],
         capture_output=True,
@@ -357,7 +351,7 @@ def test_missing_file_is_named(tmp_path):
 def test_unreachable_dataset_says_so_and_suggests_local_files(tmp_path):
     # A fresh process, because the Hub libraries read HF_HUB_OFFLINE when they are imported.
     code = (
-        "from deriv_lm.tokenization import hub_corpus\n"
+        "from deriv_lm.data import hub_corpus\n"
         "try:\n    hub_corpus('someone/not-a-cached-dataset')\n"
         "except ConnectionError as error:\n    print(error)\n"
     )
@@ -382,7 +376,7 @@ def test_local_files_of_every_kind(tmp_path):
 def test_a_local_dataset_through_datasets(tmp_path):
     import datasets
 
-    from deriv_lm.tokenization import hub_corpus
+    from deriv_lm.data import hub_corpus
 
     (tmp_path / "files").mkdir()
     datasets.Dataset.from_dict({"content": ["one", "two"]}).to_json(str(tmp_path / "files" / "part.jsonl"))
@@ -411,7 +405,7 @@ def test_characters_per_token_ignores_padding_left_on_by_a_batched_call(tiny_tok
 def test_without_an_atomic_exchange_two_renames_still_replace_the_folder(trained, tmp_path, monkeypatch):
     """Where renameat2 is missing (not Linux), the swap is two renames; a kill between them leaves the previous
     version beside the folder, and the next write puts it back before it writes."""
-    from deriv_lm.tokenization import files
+    from deriv_lm.folder import atomic as files
 
     monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     folder = tmp_path / "tok"

@@ -110,8 +110,8 @@ def test_checkpoints_keep_the_last_two(trained_run):
 def test_second_run_reuses_the_tokenized_cache(trained_run, corpus_file, tmp_path):
     import datasets
 
-    from deriv_lm.tokenization.corpus import corpus_from_args
-    from deriv_lm.training.data import lm_datasets
+    from deriv_lm.data.corpus import corpus_from_args
+    from deriv_lm.data.packing import lm_datasets
 
     tokenizer = AutoTokenizer.from_pretrained(trained_run.output_dir)
     args = tiny_args(tmp_path, corpus_file, cache_dir=trained_run.cache_dir)
@@ -311,7 +311,7 @@ def test_presets_and_bad_arguments(tmp_path):
 
 
 def test_sliding_window_perplexity_scores_each_token_once(trained_run):
-    from deriv_lm.training.evaluate import sliding_window_perplexity
+    from deriv_lm.inference.evaluate import sliding_window_perplexity
 
     model = AutoModelForCausalLM.from_pretrained(trained_run.output_dir).eval()
     ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -376,8 +376,8 @@ def test_a_fresh_run_in_a_used_folder_starts_clean(tmp_path, corpus_file):
 
 
 def test_a_changed_file_is_not_served_from_the_cache(tmp_path):
-    from deriv_lm.tokenization import local_corpus
-    from deriv_lm.training.data import documents_dataset
+    from deriv_lm.data import local_corpus
+    from deriv_lm.data.packing import documents_dataset
 
     path = tmp_path / "notes.txt"
     path.write_text("first version")

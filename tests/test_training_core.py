@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deriv_lm.cli import main
-from deriv_lm.hub_card.record import SECTIONS, RunRecord
+from deriv_lm.folder.record import SECTIONS, RunRecord
 from deriv_lm.training import (
     LanguageModelTask,
     Task,

@@ -8,12 +8,12 @@ import torch
 
 from deriv_lm import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from deriv_lm.cli import main
-from deriv_lm.tokenization.parallel import Pair, hub_pairs, local_pairs
+from deriv_lm.data.packing import LengthGroupedSampler, encoded_pairs
+from deriv_lm.data.parallel import Pair, hub_pairs, local_pairs, pairs_from_args
+from deriv_lm.inference.evaluate import bleu_chrf
 from deriv_lm.training.args import TRANSLATION_PRESETS, TranslationTrainingArguments
-from deriv_lm.training.data import LengthGroupedSampler, encoded_pairs
-from deriv_lm.training.evaluate import bleu_chrf
 from deriv_lm.training.trainer import inverse_sqrt
-from deriv_lm.training.translation import label_smoothed_loss, pair_corpus, seq2seq_collator
+from deriv_lm.training.translation import label_smoothed_loss, seq2seq_collator
 
 
 # ---- parallel data -----------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def test_missing_files_and_foreign_default_sources_are_clear_errors(tmp_path):
         (tmp_path / "pairs.txt").write_text("a\tb\n")
         local_pairs(str(tmp_path / "pairs.txt"))
     with pytest.raises(ValueError, match="translates from English.*--dataset"):
-        pair_corpus(TranslationTrainingArguments(source_lang="fr", target_lang="de"))
+        pairs_from_args(TranslationTrainingArguments(source_lang="fr", target_lang="de"))
 
 
 # ---- encoding and batching ------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def test_validation_loss_covers_the_whole_validation_split(translation_run):
     the first 10 batches of a length-sorted split: its shortest pairs)."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from deriv_lm.tokenization.parallel import split_pairs
+    from deriv_lm.data.parallel import split_pairs
     from deriv_lm.training.translation import seq2seq_collator
 
     out, data = translation_run

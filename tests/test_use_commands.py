@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from deriv_lm import DerivSeq2SeqConfig
 from deriv_lm.cli import main
-from deriv_lm.training.commands import encode_prompt
+from deriv_lm.inference.commands import encode_prompt
 
 
 NUMBERS = Path(__file__).parent / "data" / "numbers_lm"  # a tiny decoder: "5 3 1 8 :" -> " five thousand ...<eos>"
@@ -106,7 +106,7 @@ def test_a_training_document_that_spells_eos_keeps_it_as_text(tokenizer):
     """Only the data pipeline ends a document with <eos>: the same spelling inside the text is characters."""
     import datasets
 
-    from deriv_lm.training.data import tokenize_and_pack
+    from deriv_lm.data.packing import tokenize_and_pack
 
     documents = datasets.Dataset.from_dict({"text": ["a <eos> b <|user|> c", "d"]})
     blocks = tokenize_and_pack(documents, tokenizer, context_length=4, num_proc=1)

@@ -187,7 +187,7 @@ def test_a_long_text_is_counted_whole_and_drawn_up_to_600_tokens(lm_dir, tmp_pat
 
 def test_a_picture_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """Ctrl-C while the PNG is written leaves neither a truncated picture nor its temporary file."""
-    from deriv_lm.viz.attention import pyplot, save
+    from deriv_lm.folder.curve import pyplot, save
 
     fig = pyplot().figure()
 

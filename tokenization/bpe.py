@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
 
-from .files import atomic_directory
+from ..folder.atomic import atomic_directory
 
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..arguments import integer, number
+from ..data.corpus import add_corpus_arguments, corpus_from_args
 from .bpe import (
     LARGEST_VOCAB_SIZE,
     SMALLEST_VOCAB_SIZE,
@@ -15,7 +16,6 @@ from .bpe import (
     special_tokens_with,
     train_bpe,
 )
-from .corpus import add_corpus_arguments, corpus_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

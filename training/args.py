@@ -24,8 +24,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..arguments import check_range
-from .sampling import MAX_BEAMS, MAX_SEED
+from ..arguments import MAX_BEAMS, MAX_SEED, check_range
 
 
 def arg(default, help: str, **kwargs):

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from transformers.utils import logging
 
-from ..tokenization.files import fsync_tree
+from ..folder.atomic import fsync_tree
 
 
 logger = logging.get_logger("deriv_lm.training")
@@ -67,7 +67,7 @@ class TrainerState:
 def checkpoint_problem(path: str) -> str | None:
     """Why the checkpoint at `path` cannot be resumed from, or None: it lacks the marker written last, a
     weights file is torn (its safetensors header and size disagree), or its JSON state does not parse."""
-    from ..hub_card.folder import check_safetensors
+    from ..folder.load import check_safetensors
 
     if not os.path.exists(os.path.join(path, COMPLETE)):
         return f"incomplete (no {COMPLETE} marker: its writing was interrupted)"

@@ -10,8 +10,9 @@ import re
 
 import torch
 
-from ..hub_card import write_card
-from ..hub_card.record import (
+from ..folder.atomic import atomic_directory
+from ..folder.curve import plot_losses
+from ..folder.record import (
     DataRecord,
     HardwareRecord,
     MetricsRecord,
@@ -21,9 +22,8 @@ from ..hub_card.record import (
     TokenizerRecord,
     TrainingRecord,
 )
+from ..hub_card import write_card
 from ..tokenization.bpe import make_portable
-from ..tokenization.files import atomic_directory
-from ..viz.pictures import plot_losses
 
 
 # An absolute path in text: a "/" not preceded by a word character, a colon or another "/" (so not a URL or a

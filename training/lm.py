@@ -13,11 +13,11 @@ from itertools import islice
 
 import torch
 
+from ..data.corpus import corpus_from_args
+from ..data.packing import lm_datasets, split_documents
+from ..data.streaming import held_out_documents, stream_datasets, tokenizer_sample
 from ..modeling_deriv import DerivConfig, DerivForCausalLM
-from ..tokenization.corpus import corpus_from_args
-from .data import lm_datasets, split_documents
 from .driver import run
-from .streaming import held_out_documents, stream_datasets, tokenizer_sample
 from .task import Task
 
 

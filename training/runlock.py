@@ -14,7 +14,7 @@ import json
 import os
 import socket
 
-from ..tokenization.files import process_alive
+from ..folder.atomic import process_alive
 
 
 LOCK_FILE = ".deriv-run.lock"

@@ -22,10 +22,10 @@ import tempfile
 import torch
 from accelerate import PartialState
 
+from ..data.conversations import default_conversations, hub_conversations, local_conversations
+from ..data.packing import LengthGroupedSampler
 from ..modeling_deriv import DerivForCausalLM
 from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
-from ..tokenization.conversations import default_conversations, hub_conversations, local_conversations
-from .data import LengthGroupedSampler
 from .driver import run
 from .lm import LanguageModelTask
 from .task import Task

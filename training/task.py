@@ -61,7 +61,7 @@ class Task:
         complete (`load_weights`: a pickle is never opened, a missing or misshapen tensor is refused, not drawn
         at random). The driver calls it first, so a folder that cannot start the run stops it before the data
         is read or anything is written."""
-        from ..hub_card.folder import load_weights, read_folder
+        from ..folder.load import load_weights, read_folder
 
         folder = self.args.init_from
         expected = self.model_class.config_class.model_type

@@ -12,32 +12,17 @@ pairs (default gettext catalogs, local TSV/JSONL, or a `datasets` dataset)
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 from torch.nn import functional as F
 
+from ..data.packing import LengthGroupedSampler, encoded_pairs
+from ..data.parallel import pairs_from_args, split_pairs
+from ..inference.evaluate import score
 from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
-from ..tokenization.parallel import Pair, ParallelCorpus, default_pairs, hub_pairs, local_pairs, split_pairs
-from .data import LengthGroupedSampler, encoded_pairs
 from .driver import run
-from .evaluate import bleu_chrf, translate
 from .task import Task
-
-
-def pair_corpus(args) -> ParallelCorpus:
-    """The pairs `args` name: --files, --dataset, or the embedded default (gettext catalogs, English -> X)."""
-    if args.files:
-        return local_pairs(args.files, args.source_lang, args.target_lang)
-    if args.dataset:
-        return hub_pairs(args.dataset, args.dataset_config, args.split, args.source_lang, args.target_lang)
-    if args.source_lang != "en":
-        raise ValueError(
-            f"The embedded default corpus translates from English (gettext catalogs are keyed by their English "
-            f"messages); for --source-lang {args.source_lang} pass --dataset NAME or --files pairs.tsv."
-        )
-    return default_pairs(args.target_lang)
 
 
 def seq2seq_collator(tokenizer, model):
@@ -66,31 +51,6 @@ def label_smoothed_loss(model, batch: dict, num_targets: torch.Tensor, smoothing
     return total / num_targets
 
 
-def score(model, tokenizer, pairs: list[Pair], num_beams: int, progress: bool = False) -> dict:
-    """Test BLEU and chrF with beam search, next to the copy-the-source baseline (hypothesis = source)."""
-    sources, references = [p.source for p in pairs], [p.target for p in pairs]
-    started = time.perf_counter()
-    hypotheses = translate(model, tokenizer, sources, num_beams=num_beams, progress=progress)
-    seconds = time.perf_counter() - started
-    model_scores, copy_scores = bleu_chrf(hypotheses, references), bleu_chrf(sources, references)
-    return {
-        "test_pairs": len(pairs),
-        "num_beams": num_beams,
-        "bleu": model_scores["bleu"],
-        "chrf": model_scores["chrf"],
-        "copy_source_bleu": copy_scores["bleu"],
-        "copy_source_chrf": copy_scores["chrf"],
-        "bleu_signature": model_scores["bleu_signature"],
-        "chrf_signature": model_scores["chrf_signature"],
-        "decode_seconds": seconds,
-        # five examples spread over the split (it is sorted by source, so the first few all start alike)
-        "examples": [
-            {"source": sources[i], "reference": references[i], "translation": hypotheses[i]}
-            for i in range(0, len(pairs), max(1, len(pairs) // 5))[:5]
-        ],
-    }
-
-
 class TranslationTask(Task):
     """Source -> target with the encoder-decoder; the whole validation split is scored at each evaluation."""
 
@@ -101,7 +61,7 @@ class TranslationTask(Task):
     model_class = DerivForConditionalGeneration
 
     def load(self) -> None:
-        self.corpus = pair_corpus(self.args)
+        self.corpus = pairs_from_args(self.args)
         if not self.corpus.pairs:
             raise ValueError(f"No pairs with text on both sides in {self.corpus.description}")
         self.splits = split_pairs(self.corpus.pairs)

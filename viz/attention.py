@@ -6,10 +6,11 @@ the eager kernel (`attn_implementation="eager"`), the one path that returns them
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..folder.curve import pyplot, save
 
 
 @dataclass
@@ -24,7 +25,7 @@ class AttentionMaps:
 
 def load_eager(folder: str, trust_remote_code: bool = False):
     """(model, tokenizer) of an exported folder (`load_folder`), switched to the eager attention kernel."""
-    from ..hub_card.folder import load_folder
+    from ..folder.load import load_folder
 
     loaded = load_folder(folder, trust_remote_code=trust_remote_code)
     loaded.model.set_attn_implementation("eager")
@@ -127,31 +128,3 @@ def plot_attention(maps: AttentionMaps, path: str, average: bool = False, layer_
     panels = sum(1 for ax in fig.axes if ax.images)
     plt.close(fig)
     return path, panels
-
-
-def save(fig, path: str) -> str:
-    """Write `fig` as `path` whole or not at all: under a temporary name beside it, then renamed, so that Ctrl-C
-    midway leaves no truncated picture. The format is the extension's (PNG without one); returns `path`."""
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.partial-{os.getpid()}")
-    try:
-        fig.savefig(tmp, format=os.path.splitext(name)[1][1:].lower() or "png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
-
-
-def pyplot():
-    """matplotlib.pyplot with a file backend, or an error that says how to install it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError(
-            "Pictures need matplotlib: pip install matplotlib, or pip install 'deriv-lm[viz]'"
-        ) from error
-    return plt

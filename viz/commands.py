@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from ..arguments import integer, number
-from ..cli import command_name, require_extra
+from ..arguments import command_name, integer, number
+from ..errors import require_extra
 from .attention import load_eager
 from .pictures import MAX_TOKENS_DRAWN
 

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .attention import pyplot, save
+from ..folder.curve import plot_losses, pyplot, save
 
 
 def positional_encoding(path: str, positions: int = 64, dim: int = 128) -> str:
@@ -117,32 +117,6 @@ def temperature(
     save(fig, path)
     plt.close(fig)
     return path
-
-
-def plot_losses(history: list[dict], path: str) -> bool:
-    """Training and validation loss against tokens seen, as a PNG; False when matplotlib is missing.
-
-    `history` is the trainer's log, one dict per line of `metrics.jsonl` (`tokens_seen`, and `train_loss` or
-    `val_loss`); the trainer draws `loss.png` with it, and `curves` draws it again from a folder."""
-    try:
-        plt = pyplot()
-    except ImportError:
-        return False
-    train = [(r["tokens_seen"], r["train_loss"]) for r in history if "train_loss" in r]
-    val = [(r["tokens_seen"], r["val_loss"]) for r in history if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="training loss", linewidth=1)
-    if val:
-        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("cross-entropy (nats per token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    save(fig, path)
-    plt.close(fig)
-    return True
 
 
 def curves(folder: str, path: str) -> str:

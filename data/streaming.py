@@ -18,7 +18,7 @@ from itertools import islice
 
 import datasets
 
-from ..tokenization.corpus import Corpus
+from .corpus import Corpus
 
 
 PACK_BATCH = 1000  # documents per packing batch, as `tokenize_and_pack` (datasets' default batch size)

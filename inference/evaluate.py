@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -80,4 +81,29 @@ def bleu_chrf(hypotheses: list[str], references: list[str]) -> dict:
         "chrf": chrf.corpus_score(hypotheses, [references]).score,
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
+    }
+
+
+def score(model, tokenizer, pairs: list, num_beams: int, progress: bool = False) -> dict:
+    """Test BLEU and chrF with beam search, next to the copy-the-source baseline (hypothesis = source)."""
+    sources, references = [p.source for p in pairs], [p.target for p in pairs]
+    started = time.perf_counter()
+    hypotheses = translate(model, tokenizer, sources, num_beams=num_beams, progress=progress)
+    seconds = time.perf_counter() - started
+    model_scores, copy_scores = bleu_chrf(hypotheses, references), bleu_chrf(sources, references)
+    return {
+        "test_pairs": len(pairs),
+        "num_beams": num_beams,
+        "bleu": model_scores["bleu"],
+        "chrf": model_scores["chrf"],
+        "copy_source_bleu": copy_scores["bleu"],
+        "copy_source_chrf": copy_scores["chrf"],
+        "bleu_signature": model_scores["bleu_signature"],
+        "chrf_signature": model_scores["chrf_signature"],
+        "decode_seconds": seconds,
+        # five examples spread over the split (it is sorted by source, so the first few all start alike)
+        "examples": [
+            {"source": sources[i], "reference": references[i], "translation": hypotheses[i]}
+            for i in range(0, len(pairs), max(1, len(pairs) // 5))[:5]
+        ],
     }

@@ -7,21 +7,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..arguments import integer, number
+from ..arguments import MAX_SEED, integer, number
 
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty")
-
-# The widest beam search a command runs (--num-beams, and --num-return-sequences, which cannot exceed it). Each
-# beam keeps a KV cache of its own, so memory grows with the width: 64 beams of the gpt2-124m preset at its full
-# context of 1024 hold 4.8 GB of cache, while 100,000 beams end in an allocation failure or minutes of work. And
-# wider is not better: Koehn & Knowles (2017, "Six Challenges for Neural Machine Translation") saw translation
-# quality fall as beams grew past 5 to 10. The vocabulary would be no bound: every tokenizer here has more ids
-# (256 bytes at least) than anyone would want beams.
-MAX_BEAMS = 64
-
-# torch.manual_seed takes 64 bits, numpy (and transformers' set_seed, which seeds it) 32: a seed that works for all.
-MAX_SEED = 2**32 - 1
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import datasets
 import torch
 
-from ..tokenization.corpus import Corpus
+from .corpus import Corpus
 
 
 def _documents(corpus: Corpus, max_documents: int | None) -> Iterator[dict]:

@@ -192,3 +192,17 @@ def split_pairs(pairs: list[Pair], validation: float = 0.02, test: float = 0.02)
     for pair in pairs:
         parts[split_of(pair, validation, test)].append(pair)
     return parts
+
+
+def pairs_from_args(args) -> ParallelCorpus:
+    """The pairs `args` name: --files, --dataset, or the embedded default (gettext catalogs, English -> X)."""
+    if args.files:
+        return local_pairs(args.files, args.source_lang, args.target_lang)
+    if args.dataset:
+        return hub_pairs(args.dataset, args.dataset_config, args.split, args.source_lang, args.target_lang)
+    if args.source_lang != "en":
+        raise ValueError(
+            f"The embedded default corpus translates from English (gettext catalogs are keyed by their English "
+            f"messages); for --source-lang {args.source_lang} pass --dataset NAME or --files pairs.tsv."
+        )
+    return default_pairs(args.target_lang)

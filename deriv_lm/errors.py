@@ -1,0 +1,106 @@
+"""What a command's failure means, below the CLI: bad input (`UsageError`), a missing extra (`MissingExtra`),
+and the one-line text both end in. Standard library only: `deriv_lm/cli.py` and every room import it.
+
+    raise UsageError(f"--stride {stride} is longer than the model's window of {window} tokens")
+
+A command that meets bad input (a flag out of range, a missing file or column, a folder that is not a model)
+raises `UsageError`, whose text names the flag, file or folder and what is allowed; the CLI prints it in one
+line and exits with status 2. Any other exception is a bug in deriv: the CLI shows its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+
+class UsageError(ValueError):
+    """Bad input: the message names what was given and what is allowed. A ValueError, as Python's own
+    functions answer a bad argument, so the Python API keeps its contract."""
+
+
+class MissingFile(UsageError, FileNotFoundError):
+    """A file or folder the user named does not exist (also a FileNotFoundError)."""
+
+
+# What the OS says of a file or folder the user named (not found, permission denied, disk full): bad input or a
+# bad environment, never a defect in deriv, so it is reported in one line as well.
+ENVIRONMENT_ERRORS = (OSError,)
+
+
+# The optional extras of pyproject.toml's [project.optional-dependencies] that a command may need, and the
+# modules each brings. A command that needs one and does not find it ends in one line naming the pip line.
+EXTRAS = {
+    "viz": ("matplotlib",),  # attention, picture
+    "onnx": ("onnx", "onnxscript", "onnxruntime"),  # export --to onnx (writing needs the first two, running all)
+    "quantize": ("torchao",),  # quantize
+    "lora": ("peft",),  # train sft --lora, and folders that hold a LoRA adapter
+    "marian": ("sentencepiece",),  # import of an OPUS-MT checkpoint, and the folders that keep its tokenizer
+    "serve": ("fastapi", "uvicorn", "pydantic", "openai"),  # serve, bench serving
+    "trl": ("trl",),  # no command: the Python API's SFTTrainer
+}
+_EXTRA_OF_MODULE = {module: extra for extra, modules in EXTRAS.items() for module in modules}
+
+
+class MissingExtra(ImportError):
+    """A command needs an optional extra that is not installed (or does not import): one line, the pip line."""
+
+    def __init__(self, command: str, extra: str, broken: str | None = None):
+        why = f" ({broken})" if broken else ""
+        super().__init__(f"{command} needs the {extra} extra{why}: pip install 'deriv-lm[{extra}]'")
+
+
+def require_extra(extra: str, command: str, modules: tuple[str, ...] | None = None) -> None:
+    """Import the modules of `extra` (or those of them that `command` uses), or raise MissingExtra.
+
+    Called where a command starts, before it loads anything, so that a missing extra is found in a blink."""
+    for module in modules or EXTRAS[extra]:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            missing = isinstance(error, ModuleNotFoundError) and _top(error.name) in EXTRAS[extra]
+            broken = None if missing else f"{module} is installed but does not import: {one_line(error)}"
+            raise MissingExtra(command, extra, broken) from error
+
+
+def missing_extra(error: BaseException, command: str) -> MissingExtra | None:
+    """The MissingExtra an ImportError amounts to: itself, or one raised from a module of an extra not being found
+    (`import x` names it; transformers' checks say "X requires the SentencePiece library"). None for any other
+    error, which is a bug and keeps its traceback."""
+    while isinstance(error, ImportError):
+        if isinstance(error, MissingExtra):
+            return error
+        name = error.name if isinstance(error, ModuleNotFoundError) else _required_library(str(error))
+        if _top(name) in _EXTRA_OF_MODULE:
+            return MissingExtra(command, _EXTRA_OF_MODULE[_top(name)])
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _top(module: str | None) -> str:
+    return (module or "").split(".")[0]
+
+
+def _required_library(message: str) -> str | None:
+    """The module a transformers backend check names: "... requires the SentencePiece library" -> sentencepiece."""
+    found = re.search(r"requires the (\w+) library", message)
+    return found and found.group(1).lower()
+
+
+# TRANSITIONAL, removed when every room raises UsageError for bad input (issue 30, item 7).
+_NOT_YET_USAGE_ERRORS = (ValueError, KeyError)
+
+
+def bad_input(error: Exception) -> Exception | None:
+    """The error to report in one line if `error` is bad input (a UsageError, or the OS refusing a file); None if
+    it is a bug (keep the traceback)."""
+    if type(error).__name__.startswith("StrictDataclass") and error.__cause__ is not None:
+        error = error.__cause__  # huggingface_hub's config validation wraps the config's own ValueError
+    return error if isinstance(error, (UsageError, *ENVIRONMENT_ERRORS, *_NOT_YET_USAGE_ERRORS)) else None
+
+
+def one_line(error: BaseException | str) -> str:
+    if isinstance(error, KeyError) and error.args:
+        error = str(error.args[0])  # str(KeyError) adds quotes
+    text = " ".join(str(error).split())
+    return text or type(error).__name__

@@ -1,0 +1,241 @@
+"""`deriv generate`, `deriv chat`, `deriv translate`, `deriv eval`: the inference room's commands, on a folder
+that `deriv_lm.folder.load_folder` opens."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..arguments import MAX_BEAMS, integer, number
+from ..data.corpus import add_corpus_arguments, corpus_from_args
+from ..folder.load import load_folder
+from .chat import RESET, Conversation, chat
+from .sampling import add_sampling_arguments, penalty_processors, sampling_options, wanted_new_tokens
+
+
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    """`deriv generate FOLDER PROMPT`."""
+    gen.add_argument("folder")
+    gen.add_argument("prompt", help="the text to continue; an empty prompt starts from the <bos> token")
+    add_sampling_arguments(gen)
+    gen.add_argument("--num-beams", type=integer(minimum=1, maximum=MAX_BEAMS), default=None)
+    gen.add_argument("--no-stream", action="store_true", help="print at the end instead of token by token")
+    add_trust_argument(gen)
+    gen.set_defaults(func=run_generate)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv chat FOLDER`."""
+    parser.description = (
+        "Talk with a language-model folder: each line you type is a user message; the reply streams as it comes. "
+        "The conversation is kept in the folder's chat template; the oldest turns are dropped when it outgrows the "
+        f"model's context. An empty line or end of input ends it; {RESET} starts over (keeping --system)."
+    )
+    parser.add_argument("folder")
+    parser.add_argument("--system", default=None, help="a system message that opens the conversation")
+    add_sampling_arguments(parser)
+    add_trust_argument(parser)
+    parser.set_defaults(func=run_chat)
+
+
+def add_translate_arguments(tr: argparse.ArgumentParser) -> None:
+    """`deriv translate FOLDER TEXT...`."""
+    tr.add_argument("folder")
+    tr.add_argument("text", nargs="+", help="one or more source sentences")
+    beams = integer(minimum=1, maximum=MAX_BEAMS)
+    tr.add_argument("--num-beams", type=beams, default=None, help="default: the folder's generation config")
+    tr.add_argument("--length-penalty", type=number(), default=None)
+    tr.add_argument(
+        "--max-new-tokens", type=integer(minimum=1), default=None, help="at most the model's context less one"
+    )
+    tr.add_argument("--num-return-sequences", type=beams, default=1, help="the best n beams per sentence")
+    tr.add_argument("--greedy", action="store_true", help="no beam search: the most likely token each step")
+    add_trust_argument(tr)
+    tr.set_defaults(func=run_translate)
+
+
+def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
+    """`deriv eval FOLDER`."""
+    ev.description = (
+        "A language model: perplexity on a corpus with a sliding window. A translation model: "
+        "BLEU and chrF with beam search on the held-out test split of the pairs (the split training used; "
+        "--all-pairs scores every pair, for a separate test file)."
+    )
+    ev.add_argument("folder")
+    ev.add_argument("--stride", type=integer(minimum=1), default=None, help="default: half the context")
+    ev.add_argument(
+        "--max-tokens", type=integer(minimum=2), default=200_000, help="evaluate on at most this many tokens"
+    )
+    add_corpus_arguments(ev)
+    ev.add_argument("--source-lang", default="en", help="translation: source language (default: en)")
+    ev.add_argument("--target-lang", default="de", help="translation: target language (default: de)")
+    ev.add_argument(
+        "--num-beams",
+        type=integer(minimum=1, maximum=MAX_BEAMS),
+        default=None,
+        help="translation: default the folder's setting",
+    )
+    ev.add_argument(
+        "--max-pairs", type=integer(minimum=1), default=None, help="translation: score at most this many pairs"
+    )
+    ev.add_argument("--all-pairs", action="store_true", help="translation: every pair, not the test split")
+    add_trust_argument(ev)
+    ev.set_defaults(func=run_eval)
+
+
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python files of a folder that is not Deriv's (Deriv's own folders never need it)",
+    )
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A prompt's ids, its text taken literally: `<eos>` typed in a prompt is five characters, not the token."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False).input_ids
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    loaded = load_folder(ns.folder, seq2seq=False, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ids = encode_prompt(tokenizer, ns.prompt)
+    if not ids:
+        if tokenizer.bos_token_id is None:
+            raise SystemExit(f"The prompt is empty and {ns.folder} has no <bos> token to start from")
+        ids = [tokenizer.bos_token_id]  # an empty prompt: generate from the start of a document
+    context = model.config.max_position_embeddings
+    if len(ids) >= context:
+        raise SystemExit(
+            f"The prompt is {len(ids)} tokens; the model reads at most {context} (max_position_embeddings), "
+            "which leaves no room for new tokens: shorten the prompt"
+        )
+    torch.manual_seed(ns.seed)
+    options = sampling_options(ns)
+    wanted = wanted_new_tokens(options, model)
+    options["max_new_tokens"] = min(wanted, context - len(ids))
+    if options["max_new_tokens"] < wanted:
+        print(
+            f"deriv: note: {options['max_new_tokens']} new tokens, not {wanted}: the prompt ({len(ids)} tokens) "
+            f"and the new tokens must fit the context of {context}",
+            file=sys.stderr,
+        )
+    streaming = not ns.no_stream and options.get("num_beams", 1) == 1
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True) if streaming else None
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            logits_processor=penalty_processors(ns),
+            streamer=streamer,
+            **options,
+        )
+    if streamer is None:
+        print(tokenizer.decode(out[0], skip_special_tokens=True))
+    return 0
+
+
+def run_chat(ns: argparse.Namespace) -> int:
+    import torch
+
+    loaded = load_folder(ns.folder, seq2seq=False, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if not tokenizer.chat_template:
+        raise SystemExit(f"{ns.folder} has no chat template (chat_template.jinja): use `deriv generate` with it")
+    options = sampling_options(ns)
+    options["max_new_tokens"] = wanted_new_tokens(options, model)
+    if model.generation_config.eos_token_id is None:
+        options["eos_token_id"] = tokenizer.eos_token_id  # the end of the assistant's turn ends the reply
+    torch.manual_seed(ns.seed)
+    chat(model, tokenizer, Conversation(ns.system), options, penalty_processors(ns))
+    return 0
+
+
+def run_translate(ns: argparse.Namespace) -> int:
+    from .evaluate import translate
+
+    loaded = load_folder(ns.folder, seq2seq=True, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    context = model.config.max_position_embeddings
+    for i, text in enumerate(ns.text, 1):
+        length = len(encode_prompt(tokenizer, text))
+        if length == 0:
+            raise SystemExit(f"Sentence {i} is empty: there is nothing to translate")
+        if length > context:
+            raise SystemExit(f"Sentence {i} is {length} tokens; the model reads at most {context}: split it")
+    options = {
+        k: getattr(ns, k)
+        for k in ("num_beams", "length_penalty", "max_new_tokens", "num_return_sequences")
+        if getattr(ns, k) is not None
+    }
+    if ns.greedy:
+        options["num_beams"] = 1
+    if ns.max_new_tokens and ns.max_new_tokens >= context:  # the decoder's first position holds its start token
+        options["max_new_tokens"] = context - 1
+        print(
+            f"deriv: note: at most {context - 1} new tokens, not {ns.max_new_tokens}: the translation must fit the "
+            f"model's context of {context}",
+            file=sys.stderr,
+        )
+    n = ns.num_return_sequences
+    beams = options.get("num_beams", model.generation_config.num_beams or 1)
+    if n > beams:
+        raise SystemExit(f"--num-return-sequences {n} needs at least as many beams (--num-beams {n}), not {beams}")
+    if beams == 1:
+        options["early_stopping"] = False  # a beam-search option; the folder's default may set it
+    outputs = translate(model, tokenizer, ns.text, **options)
+    for i, source in enumerate(ns.text):
+        for text in outputs[i * n : (i + 1) * n]:
+            print(text if len(ns.text) == 1 else f"{source}\t{text}")
+    return 0
+
+
+def run_eval(ns: argparse.Namespace) -> int:
+    from .evaluate import sliding_window_perplexity
+
+    loaded = load_folder(ns.folder, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if model.config.is_encoder_decoder:
+        return _eval_translation(ns, model, tokenizer)
+    window = model.config.max_position_embeddings
+    if ns.stride is not None and ns.stride > window:
+        raise SystemExit(f"--stride {ns.stride} is longer than the model's window of {window} tokens")
+    corpus = corpus_from_args(ns)
+    ids: list[int] = []
+    for text in corpus:
+        ids += encode_prompt(tokenizer, text) + [tokenizer.eos_token_id]
+        if len(ids) >= ns.max_tokens:
+            break
+    if len(ids) < 2:
+        raise SystemExit(f"{corpus.description} gives {len(ids)} token(s); perplexity needs at least 2")
+    result = sliding_window_perplexity(model, ids[: ns.max_tokens], window, ns.stride or window // 2, progress=True)
+    print(
+        f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f}) on {result['tokens']} tokens of "
+        f"{corpus.description}; window {window}, stride {result['stride']}"
+    )
+    return 0
+
+
+def _eval_translation(ns: argparse.Namespace, model, tokenizer) -> int:
+    from ..data.parallel import pairs_from_args, split_pairs
+    from .evaluate import score
+
+    ns.files = ns.files or []
+    corpus = pairs_from_args(ns)
+    pairs = corpus.pairs if ns.all_pairs else split_pairs(corpus.pairs)["test"]
+    pairs = pairs[: ns.max_pairs] if ns.max_pairs else pairs
+    if not pairs:
+        raise SystemExit(f"No pairs to score in {corpus.description}{'' if ns.all_pairs else ' (test split)'}")
+    beams = ns.num_beams or model.generation_config.num_beams or 1
+    result = score(model, tokenizer, pairs, beams, progress=True)
+    print(
+        f"BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} on {len(pairs)} pairs of {corpus.description} "
+        f"({'all' if ns.all_pairs else 'test split'}; {beams} beams); copying the source scores BLEU "
+        f"{result['copy_source_bleu']:.2f}, chrF {result['copy_source_chrf']:.2f}\n"
+        f"{result['bleu_signature']}\n{result['chrf_signature']}"
+    )
+    return 0
