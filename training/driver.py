@@ -22,6 +22,7 @@ from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tok
 from .distributed import describe, whole_model
 from .export import export_folder, run_record
 from .runlock import releases_run_lock
+from .task import TaskData
 from .trainer import Trainer
 
 
@@ -47,7 +48,16 @@ def run(args, task, cpu: bool = False) -> str:
         f"model: {n_params / 1e6:.2f} M parameters; {training} training and {len(eval_dataset)} "
         f"validation {task.unit}; {describe(accelerator)}"
     )
-    trainer.train(model, task, train_dataset, eval_dataset)
+    data = TaskData(  # transitional: the tasks will return this value themselves
+        train_dataset,
+        eval_dataset,
+        task.collator,
+        task.sampler(train_dataset, args.seed),
+        task.eval_batches,
+        task.unit,
+        task.token_kind,
+    )
+    trainer.train(model, task, data)
     accelerator.wait_for_everyone()
     if args.export == "best" and trainer.state.best_step != trainer.state.step:
         trainer.load_best()

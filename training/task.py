@@ -20,9 +20,24 @@ A task is one file: `lm.py` (causal language modelling), `translation.py` (the e
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+
+@dataclass
+class TaskData:
+    """What a task's data becomes, once: everything the trainer's loaders need, in one declared value."""
+
+    train: Any  # a datasets.Dataset (or a torch IterableDataset: a stream, which shuffles itself)
+    validation: Any  # a datasets.Dataset, read in order, whole (or its first `eval_batches` batches)
+    collator: Callable[[list[dict]], dict]  # examples -> a batch of tensors
+    train_sampler: torch.utils.data.Sampler | None = None  # the training order; None: a seeded shuffle
+    eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
+    unit: str = "examples"  # what one example is, for messages: blocks, pairs, conversations
+    token_kind: str = "tokens"  # what the loss counts, for messages: tokens, target tokens, assistant tokens
 
 
 class Task:

@@ -76,14 +76,14 @@ class Trainer:
 
     def _loader(self, dataset, train: bool) -> DataLoader:
         """Shuffled (or the task's length-grouped order) for training; in order, all of it, for evaluation."""
-        sampler = self.task.sampler(dataset, self.args.seed) if train else None
+        sampler = self.data.train_sampler if train else None
         stream = isinstance(dataset, torch.utils.data.IterableDataset)  # it shuffles itself, if at all
         return DataLoader(
             dataset,
             batch_size=self.args.batch_size,
             shuffle=train and sampler is None and not stream,
             sampler=sampler,
-            collate_fn=self.task.collator,
+            collate_fn=self.data.collator,
             generator=torch.Generator().manual_seed(self.args.seed),
             drop_last=train,
         )
@@ -144,10 +144,11 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def train(self, model, task, train_dataset, eval_dataset) -> TrainerState:
-        """Train `model` on the task's data until `max_steps`; the trained (wrapped) model is `self.model`."""
-        self.task = task
-        self._prepare(model, train_dataset, eval_dataset)
+    def train(self, model, task, data) -> TrainerState:
+        """Train `model` on `data` (the task's `TaskData`) with the task's loss until `max_steps`; the trained
+        (wrapped) model is `self.model`."""
+        self.task, self.data = task, data
+        self._prepare(model, data.train, data.validation)
         self._resume_or_start()
         self.bar = tqdm(
             total=self.args.max_steps,
@@ -372,13 +373,13 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean token loss and perplexity of the model's own loss (all processes) over the validation split,
-        or its first `task.eval_batches` batches; a task that trains with label smoothing reports plain
+        or its first `data.eval_batches` batches; a task that trains with label smoothing reports plain
         cross-entropy here."""
         self.model.eval()
         total_loss = torch.zeros((), device=self.accelerator.device)
         total_tokens = torch.zeros((), device=self.accelerator.device)
         for i, batch in enumerate(self.eval_dl):
-            if self.task.eval_batches is not None and i >= self.task.eval_batches:
+            if self.data.eval_batches is not None and i >= self.data.eval_batches:
                 break
             targets = self.task.count_targets(batch)
             loss = self.model(**batch, num_items_in_batch=targets).loss  # sum over tokens / targets
