@@ -23,6 +23,14 @@ class MissingFile(UsageError, FileNotFoundError):
     """A file or folder the user named does not exist (also a FileNotFoundError)."""
 
 
+class MissingKey(UsageError, KeyError):
+    """A column, field, split or language the user named is not in the data (also a KeyError, as a mapping
+    answers a missing key, so the Python API keeps its contract)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # KeyError's own str() quotes the message
+
+
 # What the OS says of a file or folder the user named (not found, permission denied, disk full): bad input or a
 # bad environment, never a defect in deriv, so it is reported in one line as well.
 ENVIRONMENT_ERRORS = (OSError,)
