@@ -168,7 +168,7 @@ def print_scaling_rows(rows: list[tuple], steps: int, peak: float) -> None:
 def flops_per_token(a) -> float:
     """6 x (matrix parameters) + 12 L d T: a training step's FLOPs per token (the PaLM appendix's count)."""
     n_matrix = 12 * a.num_hidden_layers * a.hidden_size**2 + a.vocab_size * a.hidden_size
-    return 6 * n_matrix + 12 * a.num_hidden_layers * a.hidden_size * a.context_length
+    return 6 * n_matrix + 12 * a.num_hidden_layers * a.hidden_size * a.max_position_embeddings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(
                 (
                     preset,
-                    a.batch_size * a.gradient_accumulation_steps * a.context_length,
+                    a.batch_size * a.gradient_accumulation_steps * a.max_position_embeddings,
                     tps,
                     100 * flops * tps / 1e9 / peak,
                     100 * wait,

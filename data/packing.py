@@ -102,12 +102,12 @@ def lm_datasets(documents, tokenizer, args) -> tuple:
     """(train, validation) datasets of `input_ids` blocks from `documents` (a `Corpus`, or its
     `split_documents`), split by document before packing."""
     split = split_documents(documents, args) if isinstance(documents, Corpus) else documents
-    train = tokenize_and_pack(split["train"], tokenizer, args.context_length, args.num_proc)
-    validation = tokenize_and_pack(split["test"], tokenizer, args.context_length, args.num_proc)
+    train = tokenize_and_pack(split["train"], tokenizer, args.max_position_embeddings, args.num_proc)
+    validation = tokenize_and_pack(split["test"], tokenizer, args.max_position_embeddings, args.num_proc)
     for name, part in (("training", train), ("validation", validation)):
         if len(part) == 0:
             raise ValueError(
-                f"The {name} split is smaller than one block of {args.context_length} tokens; use a larger "
+                f"The {name} split is smaller than one block of {args.max_position_embeddings} tokens; use a larger "
                 "corpus, a shorter --context-length, or a larger --validation-fraction."
             )
     return train.with_format("torch"), validation.with_format("torch")

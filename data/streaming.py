@@ -82,7 +82,7 @@ def training_stream(corpus: Corpus, tokenizer, args):
         gen_kwargs={"corpus": corpus, "start": args.validation_documents, "stop": args.max_documents},
     )
     blocks = documents.map(
-        packer(tokenizer, args.context_length), batched=True, batch_size=PACK_BATCH, remove_columns=["text"]
+        packer(tokenizer, args.max_position_embeddings), batched=True, batch_size=PACK_BATCH, remove_columns=["text"]
     )
     if args.shuffle_buffer:
         blocks = blocks.shuffle(seed=args.seed, buffer_size=args.shuffle_buffer)
@@ -91,7 +91,9 @@ def training_stream(corpus: Corpus, tokenizer, args):
 
 def stream_datasets(corpus: Corpus, held_out: list[str], tokenizer, args) -> tuple:
     """(training stream, validation blocks)."""
-    return training_stream(corpus, tokenizer, args), validation_blocks(held_out, tokenizer, args.context_length)
+    return training_stream(corpus, tokenizer, args), validation_blocks(
+        held_out, tokenizer, args.max_position_embeddings
+    )
 
 
 def tokenizer_sample(corpus: Corpus, args) -> Iterator[str]:

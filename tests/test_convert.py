@@ -160,7 +160,7 @@ def fine_tune_args(tmp_path, documents, **overrides):
         output_dir=str(tmp_path / "run"),
         files=[str(documents)],
         cache_dir=str(tmp_path / "cache"),
-        context_length=32,
+        max_position_embeddings=32,
         batch_size=4,
         max_steps=16,
         warmup_steps=2,

@@ -116,7 +116,7 @@ def preset_config(**overrides) -> DerivConfig:
         num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads,
         intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.context_length,
+        max_position_embeddings=args.max_position_embeddings,
         dropout=args.dropout,
     )
     return DerivConfig(**{**shape, **overrides})

@@ -194,7 +194,7 @@ def translation_preset_config(**overrides) -> DerivSeq2SeqConfig:
         encoder_attention_heads=args.num_attention_heads,
         decoder_attention_heads=args.num_attention_heads,
         intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.context_length,
+        max_position_embeddings=args.max_position_embeddings,
         dropout=args.dropout,
     )
     return DerivSeq2SeqConfig(**{**shape, **overrides})

@@ -56,7 +56,7 @@ def chat_args(tmp_path, chat_file, **overrides) -> ChatTrainingArguments:
         output_dir=str(tmp_path / "chat"),
         init_from=str(NUMBERS_LM),
         files=[str(chat_file)],
-        context_length=64,
+        max_position_embeddings=64,
         batch_size=8,
         max_steps=4,
         warmup_steps=1,
@@ -386,7 +386,13 @@ def test_the_default_conversations_are_labelled_synthetic_in_the_card(tmp_path, 
     make_model(vocab_size=300, max_position_embeddings=512).save_pretrained(base)
     AutoTokenizer.from_pretrained(NUMBERS_LM).save_pretrained(base)
     args = chat_args(
-        tmp_path, chat_file, init_from=str(base), files=[], context_length=512, max_conversations=40, max_steps=1
+        tmp_path,
+        chat_file,
+        init_from=str(base),
+        files=[],
+        max_position_embeddings=512,
+        max_conversations=40,
+        max_steps=1,
     )
     train_sft(args, cpu=True)
     run = json.loads((Path(args.output_dir) / "run.json").read_text())

@@ -116,8 +116,8 @@ def test_the_validation_loss_is_measured_on_exactly_the_held_out_documents(strea
     ids = []
     for i in range(HELD_OUT):
         ids += tokenizer(document(i), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    n = len(ids) // args.context_length
-    blocks = torch.tensor(ids[: n * args.context_length]).view(n, args.context_length)
+    n = len(ids) // args.max_position_embeddings
+    blocks = torch.tensor(ids[: n * args.max_position_embeddings]).view(n, args.max_position_embeddings)
     with torch.no_grad():
         loss = model(input_ids=blocks, labels=blocks).loss.item()  # every block has the same number of targets
     record = json.loads(pathlib.Path(args.output_dir, "run.json").read_text())
@@ -181,7 +181,13 @@ def test_two_processes_train_on_different_blocks_of_the_stream(tmp_path, stream_
     flags = ["--output-dir", two.output_dir, "--files", str(stream_file), "--tokenizer", two.tokenizer]
     for name in ("max_documents", "max_steps", "eval_every", "save_every", "dropout", "validation_documents"):
         flags += ["--" + name.replace("_", "-"), str(getattr(two, name))]
-    for name in ("shuffle_buffer", "context_length", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+    for name in (
+        "shuffle_buffer",
+        "max_position_embeddings",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
         flags += ["--" + name.replace("_", "-"), str(getattr(two, name))]
     for name in ("intermediate_size", "batch_size", "warmup_steps", "learning_rate", "log_every", "samples"):
         flags += ["--" + name.replace("_", "-"), str(getattr(two, name))]

@@ -23,7 +23,7 @@ def tiny_args(tmp_path, corpus_file, **overrides) -> TrainingArguments:
         files=[str(corpus_file)],
         cache_dir=str(tmp_path / "cache"),
         vocab_size=300,
-        context_length=32,
+        max_position_embeddings=32,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
@@ -131,7 +131,7 @@ def cli_flags(args: TrainingArguments) -> list[str]:
     flags = ["--output-dir", args.output_dir, "--files", *args.files, "--cache-dir", args.cache_dir]
     for name in (
         "vocab_size",
-        "context_length",
+        "max_position_embeddings",
         "hidden_size",
         "num_hidden_layers",
         "num_attention_heads",
@@ -209,7 +209,7 @@ def test_corpus_smaller_than_one_block(tmp_path):
     path = tmp_path / "small.txt"
     path.write_text("too short")
     (tmp_path / "other.txt").write_text("also short")
-    args = tiny_args(tmp_path, path, files=[str(path), str(tmp_path / "other.txt")], context_length=64)
+    args = tiny_args(tmp_path, path, files=[str(path), str(tmp_path / "other.txt")], max_position_embeddings=64)
     with pytest.raises(ValueError, match="smaller than one block of 64 tokens"):
         train_lm(args, cpu=True)
 

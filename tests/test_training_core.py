@@ -170,7 +170,7 @@ def test_a_task_written_against_the_contract_trains_and_exports(tmp_path):
     args = TrainingArguments(
         output_dir=str(tmp_path / "count"),
         vocab_size=300,
-        context_length=16,
+        max_position_embeddings=16,
         batch_size=8,
         max_steps=6,
         warmup_steps=1,

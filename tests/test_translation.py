@@ -308,7 +308,7 @@ def test_resume_continues_the_translation_run(translation_run, tmp_path, capsys)
     shape = {name: value for concern in by_concern.values() for name, value in concern.items()}
     for name in (
         "vocab_size",
-        "context_length",
+        "max_position_embeddings",
         "hidden_size",
         "num_hidden_layers",
         "num_attention_heads",

@@ -27,11 +27,12 @@ from typing import Literal
 from ..arguments import MAX_BEAMS, MAX_SEED, check_range
 
 
-def arg(default, help: str, **kwargs):
-    """A dataclass field with its `--help` text (HfArgumentParser reads `metadata`)."""
+def arg(default, help: str, aliases: list[str] | None = None, **kwargs):
+    """A dataclass field with its `--help` text and any other flag names (HfArgumentParser reads `metadata`)."""
+    metadata = {"help": help, **({"aliases": aliases} if aliases else {})}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=lambda: list(default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 class Checked:
@@ -160,7 +161,9 @@ class ModelArguments(Checked):
     _argument_group_name = "model"
     concern = "model"  # its key in the run record's `arguments`
 
-    context_length: int = arg(128, "positions the model reads (max_position_embeddings)")
+    max_position_embeddings: int = arg(
+        128, "positions the model reads: its context length", aliases=["--context-length", "--context_length"]
+    )
     hidden_size: int = arg(256, "d_model")
     num_hidden_layers: int = arg(4, "layers (translation: per side, unless --encoder-layers / --decoder-layers)")
     num_attention_heads: int = arg(4, "heads; each gets hidden_size / heads dimensions")
@@ -177,7 +180,7 @@ class ModelArguments(Checked):
     def check(self) -> None:
         from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS
 
-        _positive(self, "context_length", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        _positive(self, "max_position_embeddings", "hidden_size", "num_hidden_layers", "num_attention_heads")
         _positive(self, "intermediate_size")
         check_range("dropout", self.dropout, minimum=0, below=1)
         if self.hidden_act not in HIDDEN_ACTS:
@@ -346,7 +349,7 @@ PRESETS: dict[str, dict] = {
     "small": dict(
         output_dir="runs/deriv-small",
         vocab_size=8192,
-        context_length=256,
+        max_position_embeddings=256,
         hidden_size=384,
         num_hidden_layers=6,
         num_attention_heads=6,
@@ -363,7 +366,7 @@ PRESETS: dict[str, dict] = {
     "gpt2-124m": dict(
         output_dir="runs/deriv-gpt2-124m",
         vocab_size=50257,
-        context_length=1024,
+        max_position_embeddings=1024,
         hidden_size=768,
         num_hidden_layers=12,
         num_attention_heads=12,
@@ -390,7 +393,7 @@ TRANSLATION_PRESETS: dict[str, dict] = {
     "tiny": dict(
         output_dir="runs/deriv-translate-tiny",
         vocab_size=4096,
-        context_length=64,
+        max_position_embeddings=64,
         hidden_size=256,
         num_hidden_layers=3,
         num_attention_heads=4,
@@ -408,7 +411,7 @@ TRANSLATION_PRESETS: dict[str, dict] = {
     "base": dict(
         output_dir="runs/deriv-translate-base",
         vocab_size=32000,
-        context_length=256,
+        max_position_embeddings=256,
         hidden_size=512,
         num_hidden_layers=6,
         num_attention_heads=8,

@@ -85,7 +85,7 @@ def load_or_train_tokenizer(args, texts, accelerator):
                 raise FileNotFoundError(f"No tokenizer.json in {given}")
             progress = args.progress and accelerator.is_main_process
             tokenizer, summary = train_bpe(texts(), args.vocab_size, special_tokens_with(), progress=progress)
-            save_tokenizer(tokenizer, folder, model_max_length=args.context_length)
+            save_tokenizer(tokenizer, folder, model_max_length=args.max_position_embeddings)
             accelerator.print(
                 f"tokenizer: {summary.vocab_size} ids from {summary.characters / 1e6:.2f} M characters "
                 f"in {summary.seconds:.2f} s -> {folder}"

@@ -70,7 +70,7 @@ class LanguageModelTask(Task):
             num_hidden_layers=a.num_hidden_layers,
             num_attention_heads=a.num_attention_heads,
             intermediate_size=a.intermediate_size,
-            max_position_embeddings=a.context_length,
+            max_position_embeddings=a.max_position_embeddings,
             hidden_act=a.hidden_act,
             pre_norm=a.pre_norm,
             dropout=a.dropout,
@@ -93,7 +93,7 @@ class LanguageModelTask(Task):
             top_k=50,
             top_p=0.95,
             repetition_penalty=1.1,
-            max_new_tokens=min(100, self.args.context_length // 2),
+            max_new_tokens=min(100, self.args.max_position_embeddings // 2),
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
@@ -108,7 +108,7 @@ class LanguageModelTask(Task):
             train=None if a.streaming else len(self.train),  # a stream has no length
             validation=len(self.validation),
             test=None,
-            context_length=a.context_length,
+            context_length=a.max_position_embeddings,
             streamed=a.streaming,
             validation_documents=a.validation_documents if a.streaming else None,
         )
@@ -123,7 +123,7 @@ class LanguageModelTask(Task):
         torch.manual_seed(self.args.seed)
         for prompt in SAMPLE_PROMPTS[: self.args.samples]:
             inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-            out = model.generate(**inputs, max_new_tokens=min(40, self.args.context_length // 2))
+            out = model.generate(**inputs, max_new_tokens=min(40, self.args.max_position_embeddings // 2))
             print(f"--- sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
 
 

@@ -166,13 +166,15 @@ class ChatTask(Task):
     def datasets(self, tokenizer) -> tuple:
         a = self.args
         self.added_tokens = prepare_chat_tokenizer(tokenizer)
-        self.train, too_long_train = encode_conversations(self.splits["train"], tokenizer, a.context_length)
-        self.validation, too_long_val = encode_conversations(self.splits["validation"], tokenizer, a.context_length)
+        self.train, too_long_train = encode_conversations(self.splits["train"], tokenizer, a.max_position_embeddings)
+        self.validation, too_long_val = encode_conversations(
+            self.splits["validation"], tokenizer, a.max_position_embeddings
+        )
         self.too_long = too_long_train + too_long_val
         if len(self.train) == 0 or len(self.validation) == 0:
             raise ValueError(
                 f"No {'training' if len(self.train) == 0 else 'validation'} conversation fits --context-length "
-                f"{a.context_length}; pass a longer --context-length or shorter conversations."
+                f"{a.max_position_embeddings}; pass a longer --context-length or shorter conversations."
             )
         self.train_lengths = list(self.train["length"])
         by_length = sorted(range(len(self.validation)), key=list(self.validation["length"]).__getitem__)
@@ -180,7 +182,7 @@ class ChatTask(Task):
         self.validation = self.validation.select(by_length).remove_columns("length")
         self.say(
             f"data: {self.conversations.description}: {len(self.train)} / {len(self.validation)} train / validation "
-            f"conversations; {self.too_long} dropped as longer than {a.context_length} tokens"
+            f"conversations; {self.too_long} dropped as longer than {a.max_position_embeddings} tokens"
         )
         return self.train, self.validation
 
@@ -206,7 +208,7 @@ class ChatTask(Task):
         return model
 
     def _reply_tokens(self) -> int:
-        return min(64, self.args.context_length // 2)
+        return min(64, self.args.max_position_embeddings // 2)
 
     def sampler(self, dataset, seed: int):
         return None if self.args.packing else LengthGroupedSampler(self.train_lengths, self.args.batch_size, seed)
@@ -247,7 +249,7 @@ class ChatTask(Task):
             train=len(self.train),
             validation=len(self.validation),
             test=None,
-            context_length=a.context_length,
+            context_length=a.max_position_embeddings,
             dropped_too_long=self.too_long,
             synthetic=self.conversations.synthetic,
         )
@@ -278,7 +280,7 @@ def prompts_that_fit(rows, tokenizer, args, reply_tokens: int) -> list[tuple[dic
         ids = tokenizer.apply_chat_template(
             list(prompt), add_generation_prompt=True, tokenizer_kwargs={"verbose": False}
         )
-        if len(ids["input_ids"]) + reply_tokens <= args.context_length:
+        if len(ids["input_ids"]) + reply_tokens <= args.max_position_embeddings:
             shown.append(prompt)
     return shown
 

@@ -98,9 +98,9 @@ class Task:
             if isinstance(module, torch.nn.Dropout):
                 module.p = self.args.dropout
         positions = model.config.max_position_embeddings
-        if self.args.context_length > positions:
+        if self.args.max_position_embeddings > positions:
             raise ValueError(
-                f"--context-length {self.args.context_length} is longer than the {positions} positions the model "
+                f"--context-length {self.args.max_position_embeddings} is longer than the {positions} positions the model "
                 f"in {folder} has; pass --context-length {positions} or less."
             )
         model = self.match_vocabulary(model, tokenizer)

@@ -225,8 +225,8 @@ class Trainer:
         if passed == 0:
             raise ValueError(
                 f"The training stream gives fewer than {window * self.args.batch_size} block(s) of "
-                f"{self.args.context_length} tokens per process, one accumulation window; use a longer stream, "
-                "a smaller --batch-size or a shorter --context-length."
+                f"{self.args.max_position_embeddings} tokens per process, one accumulation window; use a longer "
+                "stream, a smaller --batch-size or a shorter --context-length."
             )
         state.epoch, state.epoch_start_step = state.epoch + 1, state.step
         self.accelerator.print(f"pass {state.epoch} over the stream ended after {passed} step(s); another begins")

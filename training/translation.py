@@ -76,9 +76,11 @@ class TranslationTask(Task):
 
     def datasets(self, tokenizer) -> tuple:
         a = self.args
-        self.train, too_long_train = encoded_pairs(self.splits["train"], tokenizer, a.context_length, a.cache_dir)
+        self.train, too_long_train = encoded_pairs(
+            self.splits["train"], tokenizer, a.max_position_embeddings, a.cache_dir
+        )
         self.validation, too_long_val = encoded_pairs(
-            self.splits["validation"], tokenizer, a.context_length, a.cache_dir
+            self.splits["validation"], tokenizer, a.max_position_embeddings, a.cache_dir
         )
         self.train_lengths = list(self.train["length"])
         self.train = self.train.remove_columns("length")
@@ -91,7 +93,7 @@ class TranslationTask(Task):
         self.say(
             f"data: {self.corpus.description}: {len(s['train'])} / {len(s['validation'])} / {len(s['test'])} "
             f"train / validation / test pairs; {self.corpus.skipped_empty} skipped for an empty side, "
-            f"{self.too_long} for being longer than {a.context_length} tokens"
+            f"{self.too_long} for being longer than {a.max_position_embeddings} tokens"
         )
         return self.train, self.validation
 
@@ -106,7 +108,7 @@ class TranslationTask(Task):
             decoder_attention_heads=a.num_attention_heads,
             intermediate_size=a.intermediate_size,
             hidden_act=a.hidden_act,
-            max_position_embeddings=a.context_length,
+            max_position_embeddings=a.max_position_embeddings,
             pre_norm=a.pre_norm,
             dropout=a.dropout,
             pad_token_id=tokenizer.pad_token_id,
@@ -161,7 +163,7 @@ class TranslationTask(Task):
             train=len(self.splits["train"]),
             validation=len(self.splits["validation"]),
             test=len(self.splits["test"]),
-            context_length=a.context_length,
+            context_length=a.max_position_embeddings,
             skipped_empty=self.corpus.skipped_empty,
             dropped_too_long=self.too_long,
             source_lang=a.source_lang,
