@@ -18,7 +18,11 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """lr(step) / lr_max: linear from 0 over `warmup_steps`, then cosine down to `min_ratio` at `max_steps`."""
+    """lr(step) / lr_max: linear from 0 over `warmup_steps`, then cosine down to `min_ratio` at `max_steps`.
+
+    Not transformers' `get_cosine_with_min_lr_schedule_with_warmup`: its warmup is step / warmup, so the first
+    optimizer step runs at lr 0 and the peak comes one step later; after the warmup the two agree bit for bit
+    (tests/test_library_pieces.py). Switching would change every trained weight the runs so far produced."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -31,7 +35,10 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callab
 
 def inverse_sqrt(warmup_steps: int) -> Callable[[int], float]:
     """The paper's schedule (§5.3), lrate = d^-0.5 min(step^-0.5, step warmup^-1.5), as lr(step) / lr_max:
-    linear up to the peak at `warmup_steps`, then decaying as 1/sqrt(step). `learning_rate` is the peak."""
+    linear up to the peak at `warmup_steps`, then decaying as 1/sqrt(step). `learning_rate` is the peak.
+
+    Not transformers' `get_inverse_sqrt_schedule`: it counts steps from 0 where the paper counts from 1, so its
+    every learning rate is ours one step late (lr 0 at the first step; tests/test_library_pieces.py)."""
 
     def factor(step: int) -> float:
         step += 1
