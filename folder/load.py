@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,6 @@ from typing import Any
 # Folders and files an export keeps for training or resuming, never uploaded: optimizer states, the
 # tokenizer's training copy, caches.
 IGNORED = ("checkpoints/*", "tokenizer/*", ".*", "__pycache__/*", "*.pyc")
-_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.M)
 
 # The model types of DerivConfig and DerivSeq2SeqConfig: what a command that runs Deriv's models loads without
 # --trust-remote-code (tests/test_load_paths.py checks this against the config classes).
@@ -341,7 +339,13 @@ def with_adapter(model, folder: str):
 
 def code_files(folder: ModelFolder) -> list[str]:
     """The Python files `trust_remote_code` loading needs: the modules `auto_map` and `custom_pipelines` name,
-    and the sibling modules those import (`from .configuration_deriv import ...`), transitively."""
+    and the sibling modules those import (`from .configuration_deriv import ...`), transitively.
+
+    Each file's imports are read by transformers' own parser (`get_relative_imports`, what `from_pretrained`
+    fetches by); the walk is ours because the library's (`get_relative_import_files`) stops at a sibling that is
+    missing, which `missing_files` must name instead."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
     modules = [ref.split(".")[0] for ref in (folder.config.get("auto_map") or {}).values() if isinstance(ref, str)]
     for task in (folder.config.get("custom_pipelines") or {}).values():
         modules.append(task["impl"].split(".")[0])
@@ -352,8 +356,7 @@ def code_files(folder: ModelFolder) -> list[str]:
             continue
         needed.append(name)
         if folder.has(name):
-            with open(folder.file(name), encoding="utf-8") as f:
-                modules += _RELATIVE_IMPORT.findall(f.read())
+            modules += sorted(get_relative_imports(folder.file(name)))  # subtle: the library returns a set's order
     return needed
 
 
@@ -394,33 +397,24 @@ def upload_list(folder: ModelFolder) -> list[tuple[str, int]]:
 
 
 def check_safetensors(path: str | os.PathLike) -> None:
-    """Raise ValueError naming a `*.safetensors` file of the folder whose header or size is wrong.
+    """Raise a ValueError (UsageError) naming a `*.safetensors` file of the folder that is not whole.
 
-    The format is 8 bytes (little-endian header length N), N bytes of JSON {name: {dtype, shape, data_offsets}},
-    then the data; a complete file is exactly 8 + N + the largest end offset bytes long. A truncated upload or
-    a torn copy fails here, before a Hub user downloads it.
+    safetensors' own `safe_open` reads the header and refuses a file that is too short, whose header is not
+    valid, or whose length is not exactly what the header describes: a truncated upload or a torn copy fails
+    here, before a Hub user downloads it. Only the header is read (the tensors are mapped, not loaded).
     """
-    import struct
+    from safetensors import SafetensorError, safe_open
+
+    from ..errors import UsageError
 
     for name in sorted(os.listdir(path)):
         if not name.endswith(".safetensors"):
             continue
         file = os.path.join(path, name)
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{file}: {size} bytes, too short to be a safetensors file")
-            (length,) = struct.unpack("<Q", head)
-            if 8 + length > size:
-                raise ValueError(f"{file}: the header says {length} bytes of metadata but the file has {size} bytes")
-            try:
-                header = json.loads(f.read(length))
-                ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-            except (ValueError, KeyError, TypeError, IndexError) as error:
-                raise ValueError(f"{file}: the safetensors header is not valid ({error})") from error
-        expected = 8 + length + max(ends, default=0)
-        if size != expected:
-            raise ValueError(
-                f"{file}: {size} bytes, but its header describes {expected}: the file is truncated or torn"
-            )
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except SafetensorError as error:
+            raise UsageError(
+                f"{file}: not a whole safetensors file, truncated, torn or not safetensors ({error})"
+            ) from error
