@@ -8,15 +8,17 @@
             loss = sum of token losses / target tokens in the whole window, all processes   (exact average)
             backward
         clip gradients; step; schedule
-        log; evaluate; checkpoint (and stop, if SIGTERM or SIGINT arrived during the step)
+        the callbacks: log; evaluate; stop early; keep the best; checkpoint (and stop, if SIGTERM or SIGINT
+        arrived during the step)
 
-The task (`task.py`) supplies the collator, the sampler, how to count target tokens and the loss.
+The task (`task.py`) supplies the collator, the sampler, how to count target tokens and the loss; the callbacks
+(`callbacks.py`, transformers' `TrainerCallback` protocol) what happens around each step, the built-in ones and
+a user's.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import shutil
@@ -29,7 +31,8 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from .checkpoints import Checkpoints, TrainerState, read_metrics
+from .callbacks import EarlyStopping, TrainerCallback, TrainerControl, default_callbacks
+from .checkpoints import Checkpoints, TrainerState
 from .distributed import one_module_per_tied_embedding, settle_distributed_mode
 from .optim import choose_mixed_precision, inverse_sqrt, optimizer_and_schedule, warmup_cosine
 from .runlock import acquire_run_lock
@@ -39,6 +42,7 @@ from .stops import STOP, NonFiniteLoss, TrainingInterrupted, deferred_stop, hand
 __all__ = [
     "NonFiniteLoss",
     "Trainer",
+    "TrainerCallback",
     "TrainerState",
     "TrainingInterrupted",
     "handle_stop_signals",
@@ -48,10 +52,13 @@ __all__ = [
 
 
 class Trainer:
-    """Create it first (it owns the Accelerator, takes the run lock and seeds every RNG), then `train`."""
+    """Create it first (it owns the Accelerator, takes the run lock and seeds every RNG), then `train`.
+    `callbacks` run after the built-in ones (`callbacks.default_callbacks`), in the order given."""
 
-    def __init__(self, args, cpu: bool = False):
+    def __init__(self, args, cpu: bool = False, callbacks: list[TrainerCallback] | None = None):
         self.args = args
+        self.callbacks = default_callbacks() + list(callbacks or [])
+        self.control = TrainerControl()
         if args.compile:
             check_compiler()
         self.accelerator = Accelerator(
@@ -131,16 +138,6 @@ class Trainer:
             self.checkpoints.remove_all()
         accelerator.wait_for_everyone()
         os.makedirs(args.output_dir, exist_ok=True)
-        if accelerator.is_main_process and os.path.exists(self.metrics_path):
-            # Keep what the checkpoint we continue from had logged; drop the rest (or all, on a fresh run).
-            kept = [json.dumps(r) + "\n" for r in read_metrics(self.metrics_path) if r["step"] <= self.state.step]
-            with open(self.metrics_path, "w") as f:
-                f.writelines(kept)
-        if args.report_to != "none":
-            config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
-            # the trackers that write files write them into the run folder, not the working directory
-            local = {"dvclive": {"dir": os.path.join(args.output_dir, "dvclive"), "save_dvc_exp": False}}
-            accelerator.init_trackers("deriv", config=config, init_kwargs=local)
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -150,6 +147,7 @@ class Trainer:
         self.task, self.data = task, data
         self._prepare(model, data.train, data.validation)
         self._resume_or_start()
+        self._call("on_train_begin")
         self.bar = tqdm(
             total=self.args.max_steps,
             initial=self.state.step,
@@ -166,9 +164,15 @@ class Trainer:
                     self._after_step(self._step(window))
         self.bar.close()
         STOP.phase = "while exporting (the output folder is as it was; continue with --resume)"
-        if self.args.report_to != "none":
-            self.accelerator.end_training()
+        self._call("on_train_end")
         return self.state
+
+    def _call(self, event: str, **values) -> None:
+        """Every callback's `event` hook, in order (a callback without that hook is skipped)."""
+        for callback in self.callbacks:
+            hook = getattr(callback, event, None)
+            if hook is not None:
+                hook(self, **values)
 
     def _done(self) -> bool:
         return self.state.step >= self.args.max_steps or self.state.stop_reason is not None
@@ -265,27 +269,27 @@ class Trainer:
         return {"train_loss": train_loss, "grad_norm": grad_norm, "targets": int(targets.item())}
 
     def _after_step(self, result: dict) -> None:
-        """Count the step, then log, evaluate and checkpoint when due; a stop request ends the run here."""
-        args, state = self.args, self.state
+        """Count the step; the callbacks (`on_step_end`) ask for a log record, an evaluation, a checkpoint, which
+        follow in that order; a stop signal saves a checkpoint and ends the run here."""
+        state, control = self.state, self.control
+        control.new_step()
         state.step += 1
         state.tokens_seen += result["targets"]
         self.tokens_since_log += result["targets"]
         self.bar.update(1)
-        last = state.step == args.max_steps
-        record = self._log_record(result) if state.step % args.log_every == 0 or last else None
-        if state.step % args.eval_every == 0 or last:
+        self._call("on_step_end", result=result)
+        record = self._log_record(result) if control.should_log else None
+        if control.should_evaluate:
             record = {**(record or {"step": state.step, "tokens_seen": state.tokens_seen}), **self._evaluate()}
         if record is not None:
-            self._write(record)
-        stop = STOP.received is not None
-        best = args.export == "best" and state.best_step == state.step  # --export best keeps it as a checkpoint
-        if state.step % args.save_every == 0 or stop or best:
-            path = self.checkpoints.save(
-                state, self.scheduler, protect=state.best_step if args.export == "best" else None
-            )
-            if stop:
+            self.log(record)
+        signal = STOP.received  # checked last: a signal that arrives during the evaluation is heeded at this step
+        if control.should_save or signal is not None:
+            path = self.checkpoints.save(state, self.scheduler, protect=control.keep_step)
+            self._call("on_save", path=path)
+            if signal is not None:
                 self.bar.close()
-                raise TrainingInterrupted(f"{STOP.received} received: saved {path}; continue with --resume")
+                raise TrainingInterrupted(f"{signal} received: saved {path}; continue with --resume")
 
     # ---- observing -------------------------------------------------------------------------------
 
@@ -306,38 +310,28 @@ class Trainer:
             "tokens_per_second": self.tokens_since_log / busy,
             "data_wait_share": self.data_wait / busy,
         }
-        self.bar.set_postfix(
-            loss=f"{record['train_loss']:.3f}",
-            lr=f"{record['learning_rate']:.1e}",
-            tok_s=f"{record['tokens_per_second']:.0f}",
-        )
         self._reset_clock()
         return record
 
     def _evaluate(self) -> dict:
-        evaluation = self.evaluate()
-        self.accelerator.print(
-            f"step {self.state.step}: validation loss {evaluation['val_loss']:.4f}, "
-            f"perplexity {evaluation['val_perplexity']:.2f}"
-        )
-        self._early_stopping(evaluation["val_loss"])
-        return evaluation
+        """Evaluate, note the best evaluation (the lowest loss) in the state, then `on_evaluate`: the callbacks
+        see the loss the best was before this one (early stopping's threshold is measured from it)."""
+        metrics = self.evaluate()
+        previous_best = self._note_best(metrics["val_loss"])
+        self._call("on_evaluate", metrics=metrics, previous_best=previous_best)
+        return metrics
+
+    def _note_best(self, val_loss: float) -> float:
+        """`state.best_val_loss` and `best_step` after this evaluation; returns the best loss before it."""
+        state, previous_best = self.state, self.state.best_val_loss
+        if val_loss < previous_best:
+            state.best_val_loss, state.best_step = val_loss, state.step
+        return previous_best
 
     def _early_stopping(self, val_loss: float) -> None:
-        """Count the evaluations that did not lower the best loss by more than the threshold; after `patience`
-        of them in a row the run stops (and exports) at the end of this step. The best step is the lowest loss."""
-        state, args = self.state, self.args
-        improved = val_loss < state.best_val_loss - args.early_stopping_threshold
-        state.evals_without_improvement = 0 if improved else state.evals_without_improvement + 1
-        if val_loss < state.best_val_loss:
-            state.best_val_loss, state.best_step = val_loss, state.step
-        patience = args.early_stopping_patience
-        if patience and state.evals_without_improvement >= patience and state.step < args.max_steps:
-            state.stop_reason = "early_stopping"
-            self.accelerator.print(
-                f"early stopping at step {state.step}: {patience} evaluation(s) without a validation loss below "
-                f"{state.best_val_loss:.4f} (step {state.best_step}) by more than {args.early_stopping_threshold}"
-            )
+        """One evaluation's verdict outside the loop: the best so far, then the built-in early stopping's count
+        (tests drive it alone, on a Trainer made without `__init__`)."""
+        EarlyStopping().on_evaluate(self, {"val_loss": val_loss}, previous_best=self._note_best(val_loss))
 
     # ---- what is exported -------------------------------------------------------------------------
 
@@ -362,13 +356,11 @@ class Trainer:
         )
         return step
 
-    def _write(self, record: dict) -> None:
+    def log(self, record: dict) -> None:
+        """A record of this step (its training and evaluation metrics) joins the run's history, and the
+        callbacks get it (`on_log`: metrics.jsonl, trackers, the progress bar)."""
         self.state.history.append(record)
-        if self.accelerator.is_main_process:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        if self.args.report_to != "none":
-            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=self.state.step)
+        self._call("on_log", record=record)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
