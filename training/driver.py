@@ -27,12 +27,12 @@ from .trainer import Trainer
 
 
 @releases_run_lock
-def run(args, task, cpu: bool = False) -> str:
+def run(args, task, cpu: bool = False, callbacks=None) -> str:
     """Train `task` as `args` say; returns the exported folder."""
     started = time.perf_counter()
     if args.init_from:  # a folder that cannot start the run stops it here, before the run lock makes its folder
         task.open_init_from()
-    trainer = Trainer(args, cpu=cpu)
+    trainer = Trainer(args, cpu=cpu, callbacks=callbacks)  # callbacks: after the built-in ones (callbacks.py)
     accelerator = trainer.accelerator
     task.say = accelerator.print
     task.load()
