@@ -3,9 +3,10 @@
     from deriv_lm import DerivConfig, DerivForCausalLM                          # the decoder-only LM
     from deriv_lm import DerivSeq2SeqConfig, DerivForConditionalGeneration     # the translation model
 
-The sub-packages are the rooms of the design card: `deriv_lm.modeling_deriv` (the models),
-`deriv_lm.tokenization` (corpora and BPE), `deriv_lm.training` (the trainer and its tasks) and
-`deriv_lm.bench` (benchmarks against the Hugging Face peers).
+The sub-packages are the rooms of DESIGN.md: `deriv_lm.modeling_deriv` (the models), `deriv_lm.tokenization`
+(BPE), `deriv_lm.data` (corpora, pairs, conversations, packing), `deriv_lm.folder` (the exported folder),
+`deriv_lm.training` (the driver, the trainer and its tasks), `deriv_lm.inference`, `deriv_lm.hub_card`,
+`deriv_lm.viz`, `deriv_lm.bench` and `deriv_lm.convert`.
 """
 
 import logging

@@ -1,4 +1,4 @@
-"""Training on `accelerate` and `datasets`: one driver (`driver.run`) and the tasks on it (`lm`, `translation`).
+"""Training on `accelerate` and `datasets`: one driver (`driver.run`) and the tasks on it (`lm`, `translation`, `sft`).
 
 from deriv_lm.training import TrainingArguments, train_lm
 train_lm(TrainingArguments(max_steps=100))          # the `tiny` preset on the embedded default corpus
