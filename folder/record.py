@@ -10,6 +10,13 @@ run stopped, the step exported, the best step, and gradient checkpointing / torc
 reads as version 3 with their defaults. `data.streamed` and `data.validation_documents` (a streamed run, whose
 `data.train` is null) came later within version 3, with defaults, so earlier version-3 records still read; so did
 the chat task's `data.synthetic`, `procedure.lora`, `metrics.base_val_loss` and `metrics.conversations`.
+
+Version 4 gives the task its own fields: what only one task has (translation's label smoothing, BLEU and
+examples; the chat task's LoRA settings, its score before fine-tuning and its replies) moved from fixed fields of
+`procedure` and `metrics` into `procedure.task` and `metrics.task`, dicts the task fills; and the task's card
+text (`card`, a `CardRecord`: markdown the task rendered from its own values at export) is kept in the record,
+so that the card (`hub_card`) inserts it without knowing any task. A version-3 record reads as version 4 with
+those fields moved and no card text (the card then says what it can of any task).
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
+from ..errors import UsageError
 
-SCHEMA_VERSION = 3
+
+SCHEMA_VERSION = 4
 
 
 @dataclass
@@ -69,8 +78,7 @@ class ProcedureRecord:
     dropout: float
     max_grad_norm: float
     seed: int
-    label_smoothing: float | None = None
-    lora: dict | None = None  # chat fine-tuning with --lora: r, alpha, dropout, targets, export
+    task: dict = field(default_factory=dict)  # the task's own hyperparameters (label_smoothing, lora, ...)
 
 
 @dataclass
@@ -84,6 +92,7 @@ class TrainingRecord:
     best_step: int | None = None  # the evaluation with the lowest validation loss
     gradient_checkpointing: bool = False
     compiled: bool = False  # trained under torch.compile
+    token_kind: str = "tokens"  # what `tokens_seen` counts: tokens, target tokens, assistant tokens (version 4)
 
 
 @dataclass
@@ -102,18 +111,22 @@ class HardwareRecord:
 class MetricsRecord:
     val_loss: float | None = None
     val_perplexity: float | None = None
-    test_pairs: int | None = None
-    num_beams: int | None = None
-    bleu: float | None = None
-    chrf: float | None = None
-    copy_source_bleu: float | None = None
-    copy_source_chrf: float | None = None
-    bleu_signature: str | None = None
-    chrf_signature: str | None = None
-    decode_seconds: float | None = None
-    examples: list[dict] = field(default_factory=list)  # {"source", "reference", "translation"}
-    base_val_loss: float | None = None  # chat fine-tuning: the --init-from model's validation loss, before
-    conversations: list[dict] = field(default_factory=list)  # {"messages", "before", "after"}: greedy replies
+    task: dict = field(default_factory=dict)  # the task's own scores (translation: BLEU, chrF, examples, ...)
+
+
+@dataclass
+class CardRecord:
+    """The task's own words in the card: markdown it rendered from its own values at export (`Task.finish`).
+    The card inserts each as it is; where one is empty, it says what it can of any task."""
+
+    kind: str = ""  # what the model is, in words ("encoder-decoder translation model"); empty: by architecture
+    tags: list[str] = field(default_factory=list)  # Hub tags beyond Deriv's own
+    data: str = ""  # the text of "Training data"
+    procedure: list[list] = field(default_factory=list)  # [name, value] rows the "Training procedure" table adds
+    evaluation: str = ""  # the text of "Evaluation"; empty: the validation perplexity alone
+    usage: str = ""  # the text of "How to use", `{repo}` standing for the repository id; empty: by pipeline tag
+    limitations: str = ""  # what the model is not for, before the card's words on its scale
+    scores: list[dict] = field(default_factory=list)  # model-index entries: type, name, value, split, config
 
 
 @dataclass
@@ -128,6 +141,7 @@ class RunRecord:
     hardware: HardwareRecord
     versions: dict[str, str]
     metrics: MetricsRecord
+    card: CardRecord = field(default_factory=CardRecord)  # the task's card text (version 4)
     base_model: str | None = None  # the folder or Hub id training started from, if any
     schema_version: int = SCHEMA_VERSION
 
@@ -136,25 +150,25 @@ class RunRecord:
 
     @classmethod
     def from_dict(cls, values: dict) -> RunRecord:
-        """The record `values` holds (version 1 or 2); ValueError naming the field that does not fit."""
-        version = values.get("schema_version", 1)
+        """The record `values` holds (version 1 to 4); ValueError naming the field that does not fit."""
+        version = values.get("schema_version", 1) if isinstance(values, dict) else SCHEMA_VERSION
         if version == 1:
-            values = _upgrade_v1(values)
-        elif version == 2:  # version 3 added fields with defaults to `training`
-            values = {**values, "schema_version": SCHEMA_VERSION}
+            values = _upgrade_v3(_upgrade_v1(values))
+        elif version in (2, 3):  # version 3 added fields with defaults to `training`
+            values = _upgrade_v3(values)
         elif version != SCHEMA_VERSION:
-            raise ValueError(f"run.json has schema_version {version}; this Deriv reads 1 to {SCHEMA_VERSION}")
+            raise UsageError(f"run.json has schema_version {version}; this Deriv reads 1 to {SCHEMA_VERSION}")
         return _build(cls, values, "run.json")
 
 
 def _build(kind, values, where: str):
     if not isinstance(values, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(values).__name__}")
+        raise UsageError(f"{where}: expected a mapping, got {type(values).__name__}")
     fields = {f.name: f for f in dataclasses.fields(kind)}
     unknown = sorted(set(values) - set(fields))
     missing = sorted(n for n, f in fields.items() if n not in values and _required(f))
     if unknown or missing:
-        raise ValueError(f"{where}: not the run-record schema (unknown fields {unknown}, missing {missing})")
+        raise UsageError(f"{where}: not the run-record schema (unknown fields {unknown}, missing {missing})")
     built = {}
     for name, value in values.items():
         section = SECTIONS.get(name) if kind is RunRecord else None
@@ -174,11 +188,41 @@ SECTIONS = {
     "training": TrainingRecord,
     "hardware": HardwareRecord,
     "metrics": MetricsRecord,
+    "card": CardRecord,
 }
+
+# what version 3 held in fixed fields of `procedure` and `metrics` that version 4 keeps in their `task` dicts
+_V3_PROCEDURE = ("label_smoothing", "lora")
+_V3_METRICS = (
+    "test_pairs",
+    "num_beams",
+    "bleu",
+    "chrf",
+    "copy_source_bleu",
+    "copy_source_chrf",
+    "bleu_signature",
+    "chrf_signature",
+    "decode_seconds",
+    "examples",
+    "base_val_loss",
+    "conversations",
+)
+
+
+def _upgrade_v3(old: dict) -> dict:
+    """A version-2 or -3 run.json as version 4: the task's fixed fields moved into `procedure.task` and
+    `metrics.task` (those it left empty dropped); no card text."""
+    values = {**old, "schema_version": SCHEMA_VERSION}
+    for section, moved in (("procedure", _V3_PROCEDURE), ("metrics", _V3_METRICS)):
+        if isinstance(old.get(section), dict):
+            kept = {k: v for k, v in old[section].items() if k not in moved}
+            task = {k: old[section][k] for k in moved if old[section].get(k) not in (None, [], {})}
+            values[section] = {**kept, "task": task}
+    return values
 
 
 def _upgrade_v1(old: dict) -> dict:
-    """A version-1 run.json (flat `arguments`, task-specific `data`) as version 2."""
+    """A version-1 run.json (flat `arguments`, task-specific `data`) as version 3."""
     a, data = old.get("arguments", {}), old.get("data", {})
     translation = "pairs" in data
     pairs = data.get("pairs", {})
@@ -202,8 +246,10 @@ def _upgrade_v1(old: dict) -> dict:
             "optimizer": "AdamW",
             "lr_schedule": a.get("lr_schedule", "cosine"),
             "label_smoothing": a.get("label_smoothing") if translation else None,
-            **{f.name: a.get(f.name) for f in dataclasses.fields(ProcedureRecord) if f.name in a},
+            **{f.name: a.get(f.name) for f in dataclasses.fields(ProcedureRecord) if f.name in a and f.name != "task"},
         },
-        "metrics": {k: v for k, v in old.get("metrics", {}).items() if k in MetricsRecord.__dataclass_fields__},
-        "schema_version": SCHEMA_VERSION,
+        "metrics": {
+            k: v for k, v in old.get("metrics", {}).items() if k in ("val_loss", "val_perplexity", *_V3_METRICS)
+        },
+        "schema_version": 3,
     }

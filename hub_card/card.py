@@ -3,6 +3,10 @@
 Every number comes from the folder's own files: `config.json` for the architecture, `run.json` for the
 data, training, compute and evaluation, the weights' header for the parameter count. A folder without
 `run.json` gets a card that says it has no training records instead of numbers.
+
+The card knows no task: what only one task says (its data, its hyperparameters, its scores, how to use it) is
+the task's own text, rendered at export into run.json's `card` (`folder.record.CardRecord`), inserted here as it
+is. Beyond that the card reads generic facts of the folder (its architecture, pipeline tag, languages).
 """
 
 from __future__ import annotations
@@ -54,21 +58,21 @@ def _languages(folder: ModelFolder) -> list[str] | None:
     run = run_of(folder)
     if not run:
         return None
-    if folder.is_seq2seq:
+    if run.data.source_lang and run.data.target_lang:
         return [run.data.source_lang, run.data.target_lang]
     # the embedded default corpus is English; a user's corpus may be anything, so say nothing
     return ["en"] if run.data.corpus.startswith("default:") else None
 
 
 def eval_results(folder: ModelFolder) -> list[EvalResult]:
-    """The run's final metrics as model-index entries: validation perplexity; test BLEU and chrF."""
+    """The run's final metrics as model-index entries: validation perplexity, and the task's own scores."""
     run = run_of(folder)
     if not run:
         return []
     metrics, data = run.metrics, run.data
     task = folder.pipeline_tag
     dataset = dict(dataset_type=data.dataset or "custom", dataset_name=data.corpus)
-    if folder.is_seq2seq:
+    if data.source_lang and data.target_lang:
         dataset["dataset_config"] = f"{data.source_lang}-{data.target_lang}"
     results = []
     if metrics.val_perplexity is not None:
@@ -82,35 +86,26 @@ def eval_results(folder: ModelFolder) -> list[EvalResult]:
                 metric_value=round(metrics.val_perplexity, 4),
             )
         )
-    for key, name, value, signature in (
-        ("bleu", "BLEU", metrics.bleu, metrics.bleu_signature),
-        ("chrf", "chrF", metrics.chrf, metrics.chrf_signature),
-    ):
-        if value is not None:
-            results.append(
-                EvalResult(
-                    task_type=task,
-                    **dataset,
-                    dataset_split="test",
-                    metric_type=key,
-                    metric_name=name,
-                    metric_value=round(value, 2),
-                    metric_config=signature,
-                )
+    for score in run.card.scores:
+        results.append(
+            EvalResult(
+                task_type=task,
+                **dataset,
+                dataset_split=score["split"],
+                metric_type=score["type"],
+                metric_name=score["name"],
+                metric_value=score["value"],
+                metric_config=score.get("config"),
             )
+        )
     return results
 
 
-def _is_chat(run: RunRecord | None) -> bool:
-    return run is not None and run.task == "chat-sft"
-
-
 def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardData:
-    kind = "translation" if folder.is_seq2seq else "causal-lm"
     run = run_of(folder)
+    architecture = "translation" if folder.is_seq2seq else "causal-lm"
     dataset = run.data.dataset if run else None
-    chat = ["conversational", "sft"] if _is_chat(run) else []
-    chat += ["lora"] if _is_chat(run) and run.procedure.lora else []
+    tags = ["deriv", run.task if run else architecture, "custom_code", *(run.card.tags if run else [])]
     return ModelCardData(
         model_name=model_name,
         library_name="transformers",
@@ -118,7 +113,7 @@ def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardDa
         language=_languages(folder),
         license=license,
         datasets=[dataset] if dataset else None,
-        tags=["deriv", kind, "custom_code", *chat] + ([] if run and run.base_model else ["from-scratch"]),
+        tags=tags + ([] if run and run.base_model else ["from-scratch"]),
         eval_results=eval_results(folder) or None,
         base_model=run.base_model if run else None,
     )
@@ -149,7 +144,11 @@ def _architecture(folder: ModelFolder) -> str:
 
 
 def _usage(folder: ModelFolder, repo: str) -> str:
-    if folder.is_seq2seq:
+    """The task's own snippet, else one for the folder's pipeline tag."""
+    run = run_of(folder)
+    if run and run.card.usage:
+        return run.card.usage.replace("{repo}", repo)
+    if folder.pipeline_tag == "translation":
         return f"""```python
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
 
@@ -161,33 +160,6 @@ model = AutoModelForSeq2SeqLM.from_pretrained("{repo}", trust_remote_code=True)
 inputs = tokenizer(["Save changes?"], return_tensors="pt")
 print(tokenizer.batch_decode(model.generate(**inputs, num_beams=4), skip_special_tokens=True))
 ```"""
-    run = run_of(folder)
-    if _is_chat(run) and run.procedure.lora and run.procedure.lora["export"] == "adapter":
-        return f"""```python
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-base = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)  # the weights before fine-tuning
-model = PeftModel.from_pretrained(base, "{repo}", subfolder="adapter").merge_and_unload()
-tokenizer = AutoTokenizer.from_pretrained("{repo}")
-chat = pipeline("text-generation", model=model, tokenizer=tokenizer)
-messages = [{{"role": "user", "content": "What does `os.path.join` do?"}}]
-print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
-```
-
-The folder holds the base model's weights and, in `adapter/`, the LoRA adapter trained on them: loading the folder
-without PEFT gives the model before fine-tuning. `deriv chat {repo}` merges the adapter itself."""
-    if _is_chat(run):
-        return f"""```python
-from transformers import pipeline
-
-chat = pipeline("text-generation", model="{repo}", trust_remote_code=True)
-messages = [{{"role": "user", "content": "What does `os.path.join` do?"}}]
-print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
-```
-
-The conversation is rendered with the folder's chat template (`chat_template.jinja`); `deriv chat {repo}` talks with
-it in a terminal."""
     return f"""```python
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -219,35 +191,11 @@ def _training(folder: ModelFolder) -> str:
         + ".\n"
     )
     lines.append("## Training data\n")
-    if folder.is_seq2seq:
-        lines.append(
-            f"{data.corpus}: {data.train:,} training, {data.validation:,} validation and "
-            f"{data.test:,} test pairs; {data.skipped_empty} pairs skipped for an empty side and "
-            f"{data.dropped_too_long} dropped as longer than {data.context_length} tokens.\n"
-        )
-    elif _is_chat(run):
-        lines.append(
-            f"{data.corpus}: {data.train:,} training and {data.validation:,} validation conversations; "
-            f"{data.dropped_too_long} dropped as longer than {data.context_length} tokens. The loss is on the "
-            "assistant's tokens only (the chat template's `{% generation %}` marks); system and user tokens are "
-            "read, never predicted.\n"
-        )
-        if data.synthetic:
-            lines.append(
-                "**The conversations are synthetic**: made by a program from text that ships with Python, not "
-                "written or checked by people. They teach the shape of a reply, not facts beyond that text.\n"
-            )
-    elif data.streamed:
-        lines.append(
-            f"{data.corpus}, streamed: the first {data.validation_documents:,} documents held out for validation "
-            f"({data.validation:,} blocks of {data.context_length} tokens), the rest read as a stream and packed "
-            "on the fly.\n"
-        )
-    else:
-        lines.append(
-            f"{data.corpus}: {data.train:,} training and {data.validation:,} validation "
-            f"blocks of {data.context_length} tokens (documents split before packing).\n"
-        )
+    lines.append(
+        run.card.data
+        or f"{data.corpus}: {data.train if data.train is not None else 'streamed'} training and "
+        f"{data.validation:,} validation {data.unit}.\n"
+    )
     lines.append("## Training procedure\n")
     hyper = [
         ("preset", p.preset),
@@ -261,23 +209,12 @@ def _training(folder: ModelFolder) -> str:
         ("gradient clipping", p.max_grad_norm),
         ("seed", p.seed),
     ]
-    if p.label_smoothing is not None:
-        hyper.append(("label smoothing", p.label_smoothing))
-    if p.lora:
-        lora = p.lora
-        kept = "merged into the weights" if lora["export"] == "merged" else "beside the base weights, in `adapter/`"
-        hyper.append(
-            (
-                "LoRA (PEFT)",
-                f"rank {lora['r']}, alpha {lora['alpha']}, dropout {lora['dropout']}, on "
-                f"{', '.join(f'`{t}`' for t in lora['targets'])}; {kept}",
-            )
-        )
+    hyper += [tuple(row) for row in run.card.procedure]
     lines.append("| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in hyper) + "\n")
     device = hw.gpu or f"CPU ({hw.processor}, {hw.torch_threads} threads)"
     lines.append("## Compute\n")
     lines.append(
-        f"{t.steps:,} optimizer steps, {t.tokens_seen:,} {'target ' if folder.is_seq2seq else ''}tokens seen, "
+        f"{t.steps:,} optimizer steps, {t.tokens_seen:,} {t.token_kind} seen, "
         f"{t.wall_seconds / 60:.1f} minutes of wall time on {hw.processes} x {device}, mixed precision "
         f"`{hw.mixed_precision}`; torch {run.versions['torch']}, "
         f"transformers {run.versions['transformers']}.\n"
@@ -288,53 +225,17 @@ def _training(folder: ModelFolder) -> str:
 
 
 def _evaluation(folder: ModelFolder) -> str:
+    """The task's own words on its scores, else the validation perplexity."""
     run = run_of(folder)
     if not run:
         return ""
     m = run.metrics
     lines = ["## Evaluation\n"]
-    if _is_chat(run):
-        return "\n".join(lines + _chat_evaluation(m))
-    if m.val_perplexity is not None:
+    if run.card.evaluation:
+        lines.append(run.card.evaluation)
+    elif m.val_perplexity is not None:
         lines.append(f"Validation perplexity: **{m.val_perplexity:.2f}** (loss {m.val_loss:.4f} nats per token).\n")
-    if m.bleu is not None:
-        lines.append(
-            f"On {m.test_pairs:,} held-out test pairs, beam search with {m.num_beams} beams through the "
-            "`deriv-translation` pipeline (scored with sacrebleu):\n\n"
-            "| | BLEU | chrF |\n| --- | ---: | ---: |\n"
-            f"| this model | {m.bleu:.2f} | {m.chrf:.2f} |\n"
-            f"| copying the source | {m.copy_source_bleu:.2f} | {m.copy_source_chrf:.2f} |\n\n"
-            f"BLEU signature `{m.bleu_signature}`; chrF signature `{m.chrf_signature}`.\n"
-        )
-        if m.examples:
-            lines.append("| source | reference | this model |\n| --- | --- | --- |")
-            cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-            lines += [
-                f"| {cell(e['source'])} | {cell(e['reference'])} | {cell(e['translation'])} |" for e in m.examples
-            ]
-            lines.append("")
     return "\n".join(lines)
-
-
-def _chat_evaluation(m) -> list[str]:
-    """Before and after: the validation loss per assistant token, and greedy replies to held-out prompts."""
-    lines = []
-    if m.val_loss is not None:
-        before = f"{m.base_val_loss:.4f} before fine-tuning, " if m.base_val_loss is not None else ""
-        lines.append(
-            f"Validation loss per assistant token: {before}**{m.val_loss:.4f}** after "
-            f"(perplexity {m.val_perplexity:.2f}).\n"
-        )
-    if m.conversations:
-        cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-        lines.append("Greedy replies to held-out prompts, before and after fine-tuning:\n")
-        lines.append("| prompt | before | after |\n| --- | --- | --- |")
-        lines += [
-            f"| {cell(c['messages'][-1]['content'])} | {cell(c['before'])} | {cell(c['after'])} |"
-            for c in m.conversations
-        ]
-        lines.append("")
-    return lines
 
 
 def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> ModelCard:
@@ -342,7 +243,7 @@ def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str
     folder = read_folder(path)
     name = os.path.basename(os.path.abspath(folder.path))
     repo = repo_id or name
-    kind = "encoder-decoder translation model" if folder.is_seq2seq else "decoder-only language model"
+    kind = "encoder-decoder model" if folder.is_seq2seq else "decoder-only language model"
     data = card_data(folder, repo.split("/")[-1], license)
     attention = ", cross-attention from the decoder to the encoder" if folder.is_seq2seq else " with a causal mask"
     run = run_of(folder)
@@ -351,8 +252,8 @@ def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str
         if run and run.base_model
         else "built and trained from scratch with Deriv (the `deriv-lm` package)"
     )
-    if _is_chat(run):
-        kind = "decoder-only chat model"
+    if run and run.card.kind:
+        kind = run.card.kind
     body = f"""
 # {repo.split("/")[-1]}
 
@@ -390,20 +291,13 @@ first. The generation defaults are in `generation_config.json`.
 
 
 def _limitations(folder: ModelFolder) -> str:
+    """The task's words on what the model is for, then the card's on its scale."""
+    run = run_of(folder)
     scale = (
         "It is a small model trained briefly, to learn from and to build on: expect fluent fragments, not "
         "reliable text."
     )
-    if folder.is_seq2seq:
-        return (
-            "A translation model for short texts in the domain of its training pairs; longer sources are truncated "
-            "to the model's context. " + scale + " Do not use its output where a wrong translation does harm; the "
-            "test score above is measured on held-out pairs of the same corpus and says little about other text."
-        )
-    return (
-        "A language model of the text it was trained on, for studying how such models work and as a starting point "
-        "for fine-tuning. " + scale + " It has not been aligned or filtered and can produce false or offensive text."
-    )
+    return f"{run.card.limitations} {scale}" if run and run.card.limitations else scale
 
 
 def write_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> str:

@@ -19,6 +19,7 @@ from deriv_lm.training import (
     TranslationTrainingArguments,
     run,
 )
+from deriv_lm.training.task import Source, TaskData
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -61,7 +62,7 @@ def test_a_flag_of_the_other_task_is_refused_in_one_line(capsys):
         (TrainingArguments, {"eval_batches": 0}, "`eval_batches` must be an integer >= 1"),
         (TrainingArguments, {"max_documents": 0}, "`max_documents` must be an integer >= 1"),
         (TranslationTrainingArguments, {"num_beams": 0}, "`num_beams` must be an integer >= 1"),
-        (TranslationTrainingArguments, {"hidden_size": 30, "num_attention_heads": 4}, "divisible"),
+        (TranslationTrainingArguments, {"hidden_size": 30, "decoder_attention_heads": 4}, "divisible"),
         (TranslationTrainingArguments, {"files": ["a.tsv"], "dataset": "x"}, "either `files` or `dataset`"),
     ],
 )
@@ -73,7 +74,7 @@ def test_the_python_api_checks_on_construction(kind, values, message):
 def test_the_concerns_partition_each_tasks_fields():
     for kind in (TrainingArguments, TranslationTrainingArguments):
         by_concern = [f.name for concern in kind.concerns for f in dataclasses.fields(concern)]
-        assert sorted(by_concern) == sorted(f.name for f in dataclasses.fields(kind))
+        assert sorted(by_concern) == sorted(kind.owners)
         assert len(by_concern) == len(set(by_concern))  # no field in two concerns
 
 
@@ -91,32 +92,29 @@ def documents_file(tmp_path_factory):
 
 def test_the_tokenizer_reads_the_training_documents_only(documents_file, tmp_path):
     args = TrainingArguments(files=[str(documents_file)], cache_dir=str(tmp_path), validation_fraction=0.1)
-    task = LanguageModelTask(args)
-    task.load()
-    seen = list(task.tokenizer_texts())
-    held_out = set(task.documents["test"]["text"])
+    source = LanguageModelTask(args).read()
+    seen = list(source.tokenizer_texts())
+    held_out = set(source.splits["documents"]["test"]["text"])
     assert len(seen) == 180 and len(held_out) == 20
     assert not held_out & set(seen)
 
 
 def test_max_documents_caps_what_the_tokenizer_reads(documents_file, tmp_path):
     args = TrainingArguments(files=[str(documents_file)], cache_dir=str(tmp_path), max_documents=40)
-    task = LanguageModelTask(args)
-    task.load()
-    seen = list(task.tokenizer_texts())
-    assert len(seen) + len(task.documents["test"]) == 40
+    source = LanguageModelTask(args).read()
+    seen = list(source.tokenizer_texts())
+    assert len(seen) + len(source.splits["documents"]["test"]) == 40
     assert all(int(text.split()[2]) < 40 for text in seen)
 
 
 def test_the_translation_tokenizer_reads_the_training_pairs_only(tmp_path):
     pairs = tmp_path / "pairs.tsv"
     pairs.write_text("".join(f"open file {n}\töffne Datei {n}\n" for n in range(500)), encoding="utf-8")
-    task = TranslationTask(TranslationTrainingArguments(files=[str(pairs)]))
-    task.load()
-    seen = set(task.tokenizer_texts())
-    for held_out in task.splits["validation"] + task.splits["test"]:
+    source = TranslationTask(TranslationTrainingArguments(files=[str(pairs)])).read()
+    seen = set(source.tokenizer_texts())
+    for held_out in source.splits["validation"] + source.splits["test"]:
         assert held_out.source not in seen and held_out.target not in seen
-    assert len(seen) == 2 * len(task.splits["train"])
+    assert len(seen) == 2 * len(source.splits["train"])
 
 
 # ---- a third task is one file -------------------------------------------------------------------------------
@@ -126,20 +124,20 @@ class CountingTask(Task):
     """A task written against the contract alone: a decoder learns to count ("1 2 3 4 ...")."""
 
     name = "causal-lm"
-    unit = "blocks"
-    token_kind = "tokens"
 
-    def load(self):
-        self.texts = [" ".join(str(n) for n in range(start, start + 12)) for start in range(300)]
+    def read(self):
+        texts = [" ".join(str(n) for n in range(start, start + 12)) for start in range(300)]
+        return Source(texts, lambda: iter(texts), lambda: texts[:50], "counting")
 
-    def tokenizer_texts(self):
-        return iter(self.texts)
-
-    def datasets(self, tokenizer):
-        ids = [tokenizer(t, add_special_tokens=False).input_ids[:16] for t in self.texts]
+    def prepare(self, source, tokenizer):
+        ids = [tokenizer(t, add_special_tokens=False).input_ids[:16] for t in source.splits]
         ids = [row for row in ids if len(row) == 16]
         rows = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}).with_format("torch")
-        return rows.select(range(len(rows) - 20)), rows.select(range(len(rows) - 20, len(rows)))
+        record = dict(
+            corpus="counting", dataset=None, unit="blocks", train=280, validation=20, test=None, context_length=16
+        )
+        train, validation = rows.select(range(len(rows) - 20)), rows.select(range(len(rows) - 20, len(rows)))
+        return TaskData(train, validation, torch.utils.data.default_collate, unit="blocks", record=record)
 
     def build_model(self, tokenizer):
         from deriv_lm import DerivConfig, DerivForCausalLM
@@ -154,14 +152,6 @@ class CountingTask(Task):
         from transformers import GenerationConfig
 
         return GenerationConfig(max_new_tokens=8, eos_token_id=tokenizer.eos_token_id)
-
-    def record_data(self):
-        return dict(
-            corpus="counting", dataset=None, unit="blocks", train=280, validation=20, test=None, context_length=16
-        )
-
-    def sample_texts(self):
-        return self.texts[:50]
 
 
 def test_a_task_written_against_the_contract_trains_and_exports(tmp_path):
@@ -179,9 +169,7 @@ def test_a_task_written_against_the_contract_trains_and_exports(tmp_path):
         progress=False,
         samples=0,
     )
-    task = CountingTask(args)
-    task.collator = torch.utils.data.default_collate
-    folder = run(args, task, cpu=True)
+    folder = run(args, CountingTask(args), cpu=True)
     record = RunRecord.from_dict(json.loads((tmp_path / "count" / "run.json").read_text()))
     assert record.training.steps == 6 and record.data.corpus == "counting"
     assert record.metrics.val_loss is not None
@@ -275,6 +263,47 @@ def test_a_record_that_is_not_the_schema_is_refused_by_name(tmp_path):
         RunRecord.from_dict({**good, "schema_version": 9})
 
 
+def test_a_version_3_record_reads_with_the_tasks_fields_moved_into_their_own_dicts():
+    """Version 3 held translation's and the chat task's numbers in fixed fields; version 4 reads them from the
+    task's own `procedure.task` and `metrics.task`, and a version-3 file still reads (with no card text)."""
+    v3 = {
+        "task": "translation",
+        "arguments": {},
+        "data": dict(corpus="c", dataset=None, unit="pairs", train=1, validation=1, test=1, context_length=8),
+        "tokenizer": dict(vocab_size=300, characters_per_token=3.0, special_tokens=["<pad>"]),
+        "model": dict(parameters=10, config={}),
+        "procedure": dict(
+            preset="tiny",
+            optimizer="AdamW",
+            adam_beta1=0.9,
+            adam_beta2=0.98,
+            weight_decay=0.1,
+            learning_rate=1e-3,
+            lr_schedule="cosine",
+            warmup_steps=1,
+            batch_size=2,
+            gradient_accumulation_steps=1,
+            dropout=0.1,
+            max_grad_norm=1.0,
+            seed=0,
+            label_smoothing=0.1,
+            lora=None,
+        ),
+        "training": dict(steps=1, tokens_seen=2, train_seconds=0.1, wall_seconds=0.2),
+        "hardware": dict(
+            device="cpu", processes=1, mixed_precision="no", torch_threads=2, platform="p", processor="x", gpu=None
+        ),
+        "versions": {"torch": "2"},
+        "metrics": {"val_loss": 1.0, "val_perplexity": 2.7, "bleu": 12.5, "examples": [], "base_val_loss": None},
+        "schema_version": 3,
+    }
+    record = RunRecord.from_dict(v3)
+    assert record.schema_version == 4
+    assert record.procedure.task == {"label_smoothing": 0.1}
+    assert record.metrics.val_loss == 1.0 and record.metrics.task == {"bleu": 12.5}
+    assert record.card.evaluation == "" and record.training.token_kind == "tokens"
+
+
 def test_a_version_1_record_still_gets_a_full_card(tmp_path):
     v1 = {
         "task": "causal-lm",
@@ -312,7 +341,5 @@ def test_a_version_1_record_still_gets_a_full_card(tmp_path):
         "metrics": {"val_loss": 5.03, "val_perplexity": 152.36},
     }
     record = RunRecord.from_dict(v1)
-    assert (
-        record.data.train == 900 and record.procedure.warmup_steps == 60 and record.procedure.label_smoothing is None
-    )
+    assert record.data.train == 900 and record.procedure.warmup_steps == 60 and record.procedure.task == {}
     assert record.metrics.val_perplexity == 152.36

@@ -1,13 +1,14 @@
-"""The driver: every step a training run shares, done once, for any task (`task.py`).
+"""The driver: every step a training run shares, done once, for any task (`task.py`), naming none.
 
-task.open_init_from()                   with --init-from: its model, checked before anything is read or written
+initial = task.open_init_from()         with --init-from: its model, checked before anything is read or written
 trainer = Trainer(args)                 accelerator, run lock, seeds
-task.load()                             read and split the data (nothing is trained on it before)
-tokenizer = the given one, or one trained on the training split only
-train, validation = task.datasets(tokenizer)
-model = task.start_model(tokenizer)     a new model, or the weights of --init-from
-trainer.train(model, task, train, validation)     the loop, checkpoints, resume, evaluation
-gather the weights; generation defaults; final metrics; run record; export; card; samples
+source = task.read()                    read and split the data (nothing is trained on it before)
+tokenizer = the given one, or one trained on the training split only (source.tokenizer_texts)
+data = task.prepare(source, tokenizer)  the tokenized sets, the collator, the training order, the data record
+model = task.build_model(tokenizer), or task.from_folder(initial, tokenizer); then task.start(...)
+trainer.train(model, task, data)        the loop, checkpoints, resume, evaluation
+gather the weights; validation metrics; task.finish (the task's model, metrics, card text, samples); run record;
+export; samples
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from collections.abc import Sized
 
 from accelerate.utils import DistributedType
 
+from ..errors import MissingFile, UsageError
 from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tokens_with, train_bpe
 from .distributed import describe, whole_model
 from .export import export_folder, run_record
 from .runlock import releases_run_lock
-from .task import TaskData
 from .trainer import Trainer
 
 
@@ -30,32 +31,28 @@ from .trainer import Trainer
 def run(args, task, cpu: bool = False, callbacks=None) -> str:
     """Train `task` as `args` say; returns the exported folder."""
     started = time.perf_counter()
-    if args.init_from:  # a folder that cannot start the run stops it here, before the run lock makes its folder
-        task.open_init_from()
+    # a folder that cannot start the run stops it here, before the run lock makes its folder
+    initial = task.open_init_from() if args.init_from else None
     trainer = Trainer(args, cpu=cpu, callbacks=callbacks)  # callbacks: after the built-in ones (callbacks.py)
     accelerator = trainer.accelerator
     task.say = accelerator.print
-    task.load()
-    tokenizer = load_or_train_tokenizer(args, task.tokenizer_texts, accelerator)
+    source = task.read()
+    tokenizer = load_or_train_tokenizer(args, source.tokenizer_texts, accelerator)
     with accelerator.main_process_first():
-        train_dataset, eval_dataset = task.datasets(tokenizer)
-    model = task.start_model(tokenizer)
+        data = task.prepare(source, tokenizer)
+    if initial is None:
+        model = task.build_model(tokenizer)
+    else:
+        model = task.from_folder(initial, tokenizer)
+        del initial  # the run owns it now
+    model, data = task.start(model, tokenizer, source, data)
     if args.init_from:
         accelerator.print(f"starting from the weights in {args.init_from}")
     n_params = sum(p.numel() for p in model.parameters())
-    training = len(train_dataset) if isinstance(train_dataset, Sized) else "streamed"  # a stream has no length
+    training = len(data.train) if isinstance(data.train, Sized) else "streamed"  # a stream has no length
     accelerator.print(
-        f"model: {n_params / 1e6:.2f} M parameters; {training} training and {len(eval_dataset)} "
-        f"validation {task.unit}; {describe(accelerator)}"
-    )
-    data = TaskData(  # transitional: the tasks will return this value themselves
-        train_dataset,
-        eval_dataset,
-        task.collator,
-        task.sampler(train_dataset, args.seed),
-        task.eval_batches,
-        task.unit,
-        task.token_kind,
+        f"model: {n_params / 1e6:.2f} M parameters; {training} training and {len(data.validation)} "
+        f"validation {data.unit}; {describe(accelerator)}"
     )
     trainer.train(model, task, data)
     accelerator.wait_for_everyone()
@@ -65,7 +62,7 @@ def run(args, task, cpu: bool = False, callbacks=None) -> str:
     # the compiled wrapper, whose weight names would all start `_orig_mod.`.
     state_dict = accelerator.get_state_dict(trainer.uncompiled())
     if accelerator.is_main_process:
-        finish(trainer, task, tokenizer, state_dict, time.perf_counter() - started)
+        finish(trainer, task, tokenizer, source, data, state_dict, time.perf_counter() - started)
     accelerator.wait_for_everyone()
     return args.output_dir
 
@@ -76,13 +73,13 @@ def load_or_train_tokenizer(args, texts, accelerator):
     from transformers import AutoTokenizer
 
     if args.init_from and args.tokenizer:
-        raise ValueError("--init-from brings its own tokenizer; leave out --tokenizer (or --init-from).")
+        raise UsageError("--init-from brings its own tokenizer; leave out --tokenizer (or --init-from).")
     given = args.init_from or args.tokenizer
     folder = given or os.path.join(args.output_dir, "tokenizer")
     with accelerator.main_process_first():  # one process trains and saves; the others then load
         if not os.path.exists(os.path.join(folder, "tokenizer.json")):
             if given:
-                raise FileNotFoundError(f"No tokenizer.json in {given}")
+                raise MissingFile(f"No tokenizer.json in {given}")
             progress = args.progress and accelerator.is_main_process
             tokenizer, summary = train_bpe(texts(), args.vocab_size, special_tokens_with(), progress=progress)
             save_tokenizer(tokenizer, folder, model_max_length=args.max_position_embeddings)
@@ -101,47 +98,37 @@ def load_or_train_tokenizer(args, texts, accelerator):
     return tokenizer
 
 
-def finish(trainer, task, tokenizer, state_dict, seconds: float) -> None:
-    """Main process: the trained model's defaults, metrics and run record, the exported folder, samples."""
+def finish(trainer, task, tokenizer, source, data, state_dict, seconds: float) -> None:
+    """Main process: the exported weights' metrics, the task's ending (`task.finish`), the run record, the
+    exported folder, the task's samples."""
     args, accelerator, state = trainer.args, trainer.accelerator, trainer.state
     model = trainer.unwrapped()
     if accelerator.distributed_type == DistributedType.FSDP:
         # A sharded model runs only with every process taking part; what follows runs on this one alone.
         model, state_dict = whole_model(task.model_class, model.config, state_dict), None
-    model, state_dict = task.exported_model(model, state_dict)
-    model.eval()
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_disable()  # a training setting, not the exported model's
-    model.generation_config = task.generation_config(model, tokenizer)
     evaluated = [r for r in state.history if "val_loss" in r]
     exported = state.best_step if args.export == "best" and state.best_step is not None else state.step
     # the metrics of the exported weights: the best evaluation's with --export best, else the last one's
     final = next((r for r in reversed(evaluated) if r["step"] == exported), evaluated[-1] if evaluated else {})
     metrics = {"val_loss": final.get("val_loss"), "val_perplexity": final.get("val_perplexity")}
-    metrics.update(task.final_metrics(model, tokenizer))
-    ratio = characters_per_token(tokenizer, task.sample_texts())
-    record = run_record(
-        task, args, task.record_data(), tokenizer, ratio, model, state, accelerator, seconds, metrics, exported
-    )
+    outcome = task.finish(model, state_dict, tokenizer, source, data, metrics)
+    ratio = characters_per_token(tokenizer, source.sample_texts())
+    record = run_record(task, args, data, outcome, tokenizer, ratio, state, accelerator, seconds, metrics, exported)
     export_folder(
         args.output_dir,
-        model,
-        state_dict,
+        outcome.model,
+        outcome.state_dict,
         tokenizer,
         record,
         state.history,
         accelerator.print,
         task.pipeline_class,
-        task.write_extras,
+        outcome.write_files,
     )
-    task.show_samples(model, tokenizer, accelerator.print)
-    summary = f"validation perplexity {metrics['val_perplexity']:.2f}"
-    if metrics.get("bleu") is not None:
-        summary += (
-            f"; test BLEU {metrics['bleu']:.1f} (copying the source: {metrics['copy_source_bleu']:.1f}), "
-            f"chrF {metrics['chrf']:.1f}\n{metrics['bleu_signature']}"
-        )
+    for line in outcome.samples:
+        accelerator.print(line)
+    summary = f"validation perplexity {metrics['val_perplexity']:.2f}" + outcome.summary
     accelerator.print(
-        f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M {task.token_kind} in "
+        f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M {data.token_kind} in "
         f"{record['training']['wall_seconds']:.0f} s; {summary}\nmodel folder: {os.path.abspath(args.output_dir)}"
     )

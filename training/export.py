@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
@@ -13,6 +12,7 @@ import torch
 from ..folder.atomic import atomic_directory
 from ..folder.curve import plot_losses
 from ..folder.record import (
+    CardRecord,
     DataRecord,
     HardwareRecord,
     MetricsRecord,
@@ -55,21 +55,21 @@ def _portable(path: str, run_dir: str) -> str:
 
 
 def run_record(
-    task, args, data: dict, tokenizer, chars_per_token, model, state, accelerator, seconds, metrics, exported_step
+    task, args, data, outcome, tokenizer, chars_per_token, state, accelerator, seconds, metrics, exported_step
 ):
-    """What produced an exported folder (run.json, the `hub_card.record` schema): the card reads it."""
+    """What produced an exported folder (run.json, the `folder.record` schema): the card reads it. `data` is the
+    task's `TaskData` (its `record` the data section), `outcome` its `Outcome` (its own procedure fields,
+    metrics and card text); nothing here knows which task ran."""
     import accelerate
     import datasets
     import tokenizers
     import transformers
 
+    model = outcome.model
     record = RunRecord(
         task=task.name,
-        arguments={
-            concern.concern: {f.name: getattr(args, f.name) for f in dataclasses.fields(concern)}
-            for concern in args.concerns
-        },
-        data=DataRecord(**data),
+        arguments=args.by_concern(),
+        data=DataRecord(**data.record),
         tokenizer=TokenizerRecord(len(tokenizer), chars_per_token, tokenizer.all_special_tokens),
         model=ModelRecord(sum(p.numel() for p in model.parameters()), model.config.to_diff_dict()),
         procedure=ProcedureRecord(
@@ -86,10 +86,9 @@ def run_record(
             dropout=args.dropout,
             max_grad_norm=args.max_grad_norm,
             seed=args.seed,
-            label_smoothing=getattr(args, "label_smoothing", None),
-            **task.record_procedure(),
+            task=outcome.procedure,
         ),
-        training=training_record(args, state, seconds, exported_step),
+        training=training_record(args, state, seconds, exported_step, data.token_kind),
         hardware=HardwareRecord(
             device=str(accelerator.device),
             processes=accelerator.num_processes,
@@ -108,13 +107,14 @@ def run_record(
             "datasets": datasets.__version__,
             "tokenizers": tokenizers.__version__,
         },
-        metrics=MetricsRecord(**metrics),
+        metrics=MetricsRecord(**metrics, task=outcome.metrics),
+        card=CardRecord(**outcome.card),
         base_model=args.init_from,  # made portable below, as every path in the record is
     )
     return without_local_paths(record.to_dict(), args.output_dir)
 
 
-def training_record(args, state, seconds: float, exported_step: int) -> TrainingRecord:
+def training_record(args, state, seconds: float, exported_step: int, token_kind: str = "tokens") -> TrainingRecord:
     """How long it ran, why it stopped, whose weights the folder holds, and how it computed."""
     return TrainingRecord(
         state.step,
@@ -126,6 +126,7 @@ def training_record(args, state, seconds: float, exported_step: int) -> Training
         best_step=state.best_step,
         gradient_checkpointing=args.gradient_checkpointing,
         compiled=args.compile,
+        token_kind=token_kind,
     )
 
 

@@ -18,7 +18,7 @@ from ..data.packing import lm_datasets, split_documents
 from ..data.streaming import held_out_documents, stream_datasets, tokenizer_sample
 from ..modeling_deriv import DerivConfig, DerivForCausalLM
 from .driver import run
-from .task import Task
+from .task import Outcome, Source, Task, TaskData
 
 
 SAMPLE_PROMPTS = ["Return the", "The default", "This module"]
@@ -30,53 +30,56 @@ def collate(examples: list[dict]) -> dict:
 
 
 class LanguageModelTask(Task):
-    """Next-token prediction on packed blocks of `context_length` tokens."""
+    """Next-token prediction on packed blocks of `max_position_embeddings` tokens."""
 
     name = "causal-lm"
-    unit = "blocks"
-    token_kind = "tokens"
     model_class = DerivForCausalLM
 
-    def __init__(self, args):
-        super().__init__(args)
-        self.eval_batches = args.eval_batches
-        self.collator = collate
-
-    def load(self) -> None:
+    def read(self) -> Source:
         a = self.args
-        self.corpus = corpus_from_args(a)
+        corpus = corpus_from_args(a)
         if a.streaming:  # the first documents are held out (in memory); the rest stays a stream
-            self.held_out = held_out_documents(self.corpus, a.validation_documents, a.max_documents)
-        else:
-            self.documents = split_documents(self.corpus, a)
+            held_out = held_out_documents(corpus, a.validation_documents, a.max_documents)
+            return Source(
+                {"corpus": corpus, "held_out": held_out},
+                lambda: tokenizer_sample(corpus, a),
+                lambda: list(islice(tokenizer_sample(corpus, a), 300)),
+                corpus.description,
+            )
+        documents = split_documents(corpus, a)
+        return Source(
+            {"corpus": corpus, "documents": documents},
+            lambda: (row["text"] for row in documents["train"]),
+            lambda: documents["train"][:300]["text"],
+            corpus.description,
+        )
 
-    def tokenizer_texts(self):
-        if self.args.streaming:
-            return tokenizer_sample(self.corpus, self.args)
-        return (row["text"] for row in self.documents["train"])
-
-    def datasets(self, tokenizer) -> tuple:
-        if self.args.streaming:
-            self.train, self.validation = stream_datasets(self.corpus, self.held_out, tokenizer, self.args)
+    def prepare(self, source: Source, tokenizer) -> TaskData:
+        a, splits = self.args, source.splits
+        if a.streaming:
+            train, validation = stream_datasets(splits["corpus"], splits["held_out"], tokenizer, a)
         else:
-            self.train, self.validation = lm_datasets(self.documents, tokenizer, self.args)
-        return self.train, self.validation
+            train, validation = lm_datasets(splits["documents"], tokenizer, a)
+        record = dict(
+            corpus=source.description,
+            dataset=a.dataset if a.dataset else None,
+            unit="blocks",
+            train=None if a.streaming else len(train),  # a stream has no length
+            validation=len(validation),
+            test=None,
+            context_length=a.max_position_embeddings,
+            streamed=a.streaming,
+            validation_documents=a.validation_documents if a.streaming else None,
+        )
+        return TaskData(train, validation, collate, None, a.eval_batches, "blocks", "tokens", record)
 
     def build_model(self, tokenizer) -> DerivForCausalLM:
-        a = self.args
         config = DerivConfig(
             vocab_size=len(tokenizer),
-            hidden_size=a.hidden_size,
-            num_hidden_layers=a.num_hidden_layers,
-            num_attention_heads=a.num_attention_heads,
-            intermediate_size=a.intermediate_size,
-            max_position_embeddings=a.max_position_embeddings,
-            hidden_act=a.hidden_act,
-            pre_norm=a.pre_norm,
-            dropout=a.dropout,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            **self.args.model_overrides(),
         )
         return DerivForCausalLM(config)
 
@@ -99,32 +102,45 @@ class LanguageModelTask(Task):
             eos_token_id=tokenizer.eos_token_id,
         )
 
-    def record_data(self) -> dict:
-        a = self.args
-        return dict(
-            corpus=self.corpus.description,
-            dataset=a.dataset if a.dataset else None,
-            unit=self.unit,
-            train=None if a.streaming else len(self.train),  # a stream has no length
-            validation=len(self.validation),
-            test=None,
-            context_length=a.max_position_embeddings,
-            streamed=a.streaming,
-            validation_documents=a.validation_documents if a.streaming else None,
+    def finish(self, model, state_dict, tokenizer, source, data, metrics) -> Outcome:
+        model = self.ready(model, tokenizer)
+        return Outcome(
+            model,
+            state_dict,
+            card={"data": data_text(data.record), "limitations": LIMITATIONS},
+            samples=self.samples(model, tokenizer),
         )
 
-    def sample_texts(self) -> list[str]:
-        if self.args.streaming:
-            return list(islice(tokenizer_sample(self.corpus, self.args), 300))
-        return self.documents["train"][:300]["text"]
-
     @torch.no_grad()
-    def show_samples(self, model, tokenizer, say) -> None:
+    def samples(self, model, tokenizer) -> list[str]:
+        """Sampled continuations of the first --samples prompts, seeded: the same run shows the same lines."""
         torch.manual_seed(self.args.seed)
+        lines = []
         for prompt in SAMPLE_PROMPTS[: self.args.samples]:
             inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
             out = model.generate(**inputs, max_new_tokens=min(40, self.args.max_position_embeddings // 2))
-            print(f"--- sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
+            lines.append(f"--- sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
+        return lines
+
+
+LIMITATIONS = (
+    "A language model of the text it was trained on, for studying how such models work and as a starting point "
+    "for fine-tuning. It has not been aligned or filtered and can produce false or offensive text."
+)
+
+
+def data_text(data: dict) -> str:
+    """The card's "Training data" text for packed blocks, read as a stream or from disk."""
+    if data["streamed"]:
+        return (
+            f"{data['corpus']}, streamed: the first {data['validation_documents']:,} documents held out for "
+            f"validation ({data['validation']:,} blocks of {data['context_length']} tokens), the rest read as a "
+            "stream and packed on the fly.\n"
+        )
+    return (
+        f"{data['corpus']}: {data['train']:,} training and {data['validation']:,} validation "
+        f"blocks of {data['context_length']} tokens (documents split before packing).\n"
+    )
 
 
 def train_lm(args, cpu: bool = False) -> str:

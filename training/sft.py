@@ -14,6 +14,8 @@ averaged over every assistant token of the accumulation window (the trainer's ex
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import os
 import random
 import shutil
@@ -24,11 +26,12 @@ from accelerate import PartialState
 
 from ..data.conversations import default_conversations, hub_conversations, local_conversations
 from ..data.packing import LengthGroupedSampler
+from ..errors import UsageError
 from ..modeling_deriv import DerivForCausalLM
 from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
 from .driver import run
 from .lm import LanguageModelTask
-from .task import Task
+from .task import Outcome, Source, Task, TaskData
 
 
 def conversations_from_args(args):
@@ -53,7 +56,7 @@ def prepare_chat_tokenizer(tokenizer) -> list[str]:
             tokenizer.add_special_tokens({"additional_special_tokens": added}, replace_extra_special_tokens=False)
     tokenizer.chat_template = chat_template_with_generation_marks(tokenizer.chat_template)
     if "generation" not in tokenizer.chat_template:
-        raise ValueError(
+        raise UsageError(
             "The tokenizer's chat template does not mark the assistant's messages ({% generation %} ... "
             "{% endgeneration %}), so the loss cannot be limited to them; add the marks to chat_template.jinja."
         )
@@ -144,129 +147,214 @@ class ChatTask(Task):
     """Supervised fine-tuning on conversations; the validation loss is per assistant token."""
 
     name = "chat-sft"
-    unit = "conversations"
-    token_kind = "assistant tokens"
     model_class = DerivForCausalLM
     build_model = LanguageModelTask.build_model  # a new model from the flags (only without --init-from)
     generation_config = LanguageModelTask.generation_config
 
-    def load(self) -> None:
+    def read(self) -> Source:
         a = self.args
-        self.conversations = conversations_from_args(a)
-        rows = list(self.conversations.rows[: a.max_conversations])
+        conversations = conversations_from_args(a)
+        rows = list(conversations.rows[: a.max_conversations])
         random.Random(a.seed).shuffle(rows)
         held_out = max(1, round(len(rows) * a.validation_fraction))
         if len(rows) - held_out < 1:
-            raise ValueError(f"{self.conversations.description} gives {len(rows)} conversation(s); at least 2 needed")
-        self.splits = {"validation": rows[:held_out], "train": rows[held_out:]}
-
-    def tokenizer_texts(self):
-        return (m["content"] for row in self.splits["train"] for m in row)
-
-    def datasets(self, tokenizer) -> tuple:
-        a = self.args
-        self.added_tokens = prepare_chat_tokenizer(tokenizer)
-        self.train, too_long_train = encode_conversations(self.splits["train"], tokenizer, a.max_position_embeddings)
-        self.validation, too_long_val = encode_conversations(
-            self.splits["validation"], tokenizer, a.max_position_embeddings
+            raise UsageError(f"{conversations.description} gives {len(rows)} conversation(s); at least 2 needed")
+        splits = {"validation": rows[:held_out], "train": rows[held_out:], "synthetic": conversations.synthetic}
+        return Source(
+            splits,
+            lambda: (m["content"] for row in splits["train"] for m in row),
+            lambda: [m["content"] for row in splits["train"][:300] for m in row],
+            conversations.description,
         )
-        self.too_long = too_long_train + too_long_val
-        if len(self.train) == 0 or len(self.validation) == 0:
-            raise ValueError(
-                f"No {'training' if len(self.train) == 0 else 'validation'} conversation fits --context-length "
-                f"{a.max_position_embeddings}; pass a longer --context-length or shorter conversations."
+
+    def prepare(self, source: Source, tokenizer) -> TaskData:
+        """The conversations encoded with the chat template (the tokenizer gains its marks, and role tokens
+        where it had no template: `from_folder` grows the model's embeddings to match)."""
+        a, splits, context = self.args, source.splits, self.args.max_position_embeddings
+        prepare_chat_tokenizer(tokenizer)
+        train, too_long_train = encode_conversations(splits["train"], tokenizer, context)
+        validation, too_long_val = encode_conversations(splits["validation"], tokenizer, context)
+        too_long = too_long_train + too_long_val
+        if len(train) == 0 or len(validation) == 0:
+            raise UsageError(
+                f"No {'training' if len(train) == 0 else 'validation'} conversation fits --context-length "
+                f"{context}; pass a longer --context-length or shorter conversations."
             )
-        self.train_lengths = list(self.train["length"])
-        by_length = sorted(range(len(self.validation)), key=list(self.validation["length"]).__getitem__)
-        self.train = self.train.remove_columns("length")
-        self.validation = self.validation.select(by_length).remove_columns("length")
+        order = None if a.packing else LengthGroupedSampler(list(train["length"]), a.batch_size, a.seed)
+        by_length = sorted(range(len(validation)), key=list(validation["length"]).__getitem__)
+        train = train.remove_columns("length")
+        validation = validation.select(by_length).remove_columns("length")
         self.say(
-            f"data: {self.conversations.description}: {len(self.train)} / {len(self.validation)} train / validation "
-            f"conversations; {self.too_long} dropped as longer than {a.max_position_embeddings} tokens"
+            f"data: {source.description}: {len(train)} / {len(validation)} train / validation "
+            f"conversations; {too_long} dropped as longer than {context} tokens"
         )
-        return self.train, self.validation
+        record = dict(
+            corpus=source.description,
+            dataset=a.dataset if a.dataset else None,
+            unit="conversations",
+            train=len(train),
+            validation=len(validation),
+            test=None,
+            context_length=context,
+            dropped_too_long=too_long,
+            synthetic=splits["synthetic"],
+        )
+        collator = chat_collator(tokenizer, a.packing)
+        return TaskData(train, validation, collator, order, None, "conversations", "assistant tokens", record)
 
-    def match_vocabulary(self, model, tokenizer):
+    def from_folder(self, model, tokenizer):
         """Role tokens the tokenizer just gained get new embedding rows, the mean of the others (transformers'
         `mean_resizing`), so that their first logits are ordinary; the tied output projection grows with them."""
         if len(tokenizer) > model.config.vocab_size:
-            self.say(f"adding embedding rows for {', '.join(self.added_tokens)} (the mean of the existing rows)")
+            added = tokenizer.convert_ids_to_tokens(list(range(model.config.vocab_size, len(tokenizer))))
+            self.say(f"adding embedding rows for {', '.join(added)} (the mean of the existing rows)")
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-        return model
+        return super().from_folder(model, tokenizer)
 
-    def adopt(self, model, tokenizer):
-        self.collator = chat_collator(tokenizer, self.args.packing)
-        self.base_val_loss = assistant_loss(model, self.validation, self.collator, self.args.batch_size)
-        self.say(f"before fine-tuning: validation loss {self.base_val_loss:.4f} per assistant token")
-        self.shown = prompts_that_fit(self.splits["validation"], tokenizer, self.args, self._reply_tokens())
-        self.before = replies(model, tokenizer, self.shown, self._reply_tokens())
-        self.tokenizer = tokenizer
-        if self.args.lora:
+    def start(self, model, tokenizer, source, data):
+        """The model's score and replies before fine-tuning (kept in `data.before`), then LoRA's adapters."""
+        a, reply_tokens = self.args, self._reply_tokens()
+        base_val_loss = assistant_loss(model, data.validation, data.collator, a.batch_size)
+        self.say(f"before fine-tuning: validation loss {base_val_loss:.4f} per assistant token")
+        shown = prompts_that_fit(source.splits["validation"], tokenizer, a, reply_tokens)
+        before = {
+            "base_val_loss": base_val_loss,
+            "shown": shown,
+            "replies": replies(model, tokenizer, shown, reply_tokens),
+        }
+        if a.lora:
             check_lora_mode(PartialState().distributed_type)
-            model = with_lora(model, self.args, self.say)
-            self.lora_targets = sorted(model.peft_config["default"].target_modules)
-        return model
+            model = with_lora(model, a, self.say)
+            before["lora_targets"] = sorted(model.peft_config["default"].target_modules)
+        return model, dataclasses.replace(data, before=before)
 
     def _reply_tokens(self) -> int:
         return min(64, self.args.max_position_embeddings // 2)
 
-    def sampler(self, dataset, seed: int):
-        return None if self.args.packing else LengthGroupedSampler(self.train_lengths, self.args.batch_size, seed)
-
-    def exported_model(self, model, state_dict):
-        """The model the folder holds: after the sample replies, LoRA's adapters merged in (or set aside)."""
-        self.after = replies(model, self.tokenizer, self.shown, self._reply_tokens())
-        if not self.args.lora:
-            return model, state_dict
-        if self.args.lora_export == "merged":
-            return model.merge_and_unload(), None
-        self.adapter_dir = tempfile.mkdtemp(prefix="deriv-adapter-")
-        model.save_pretrained(self.adapter_dir)  # adapter_config.json + adapter_model.safetensors
-        return model.unload(), None  # the base weights, without the adapters
-
-    def write_extras(self, folder: str) -> None:
-        """--lora-export adapter: the adapter in FOLDER/adapter, naming its base by the folder's name (a Hub id
-        once published), never the local path it was trained from."""
-        if getattr(self, "adapter_dir", None):
-            target = os.path.join(folder, "adapter")
-            shutil.copytree(self.adapter_dir, target)
-            shutil.rmtree(self.adapter_dir, ignore_errors=True)
-            set_adapter_base(target, os.path.basename(os.path.abspath(self.args.output_dir)))
-
-    def final_metrics(self, model, tokenizer) -> dict:
-        examples = [
-            {"messages": list(shown), "before": b, "after": a}
-            for shown, b, a in zip(self.shown, self.before, self.after, strict=True)
+    def finish(self, model, state_dict, tokenizer, source, data, metrics) -> Outcome:
+        """The replies after fine-tuning; the folder's model (LoRA's adapters merged in, or set aside in
+        `adapter/`); the scores before and after."""
+        a, before = self.args, data.before
+        after = replies(model, tokenizer, before["shown"], self._reply_tokens())
+        write_files = None
+        if a.lora and a.lora_export == "merged":
+            model, state_dict = model.merge_and_unload(), None
+        elif a.lora:
+            adapter = tempfile.mkdtemp(prefix="deriv-adapter-")
+            model.save_pretrained(adapter)  # adapter_config.json + adapter_model.safetensors
+            model, state_dict = model.unload(), None  # the base weights, without the adapters
+            write_files = functools.partial(copy_adapter, adapter, os.path.basename(os.path.abspath(a.output_dir)))
+        model = self.ready(model, tokenizer)
+        conversations = [
+            {"messages": list(shown), "before": b, "after": r}
+            for shown, b, r in zip(before["shown"], before["replies"], after, strict=True)
         ]
-        return {"base_val_loss": self.base_val_loss, "conversations": examples}
-
-    def record_data(self) -> dict:
-        a = self.args
-        return dict(
-            corpus=self.conversations.description,
-            dataset=a.dataset if a.dataset else None,
-            unit=self.unit,
-            train=len(self.train),
-            validation=len(self.validation),
-            test=None,
-            context_length=a.max_position_embeddings,
-            dropped_too_long=self.too_long,
-            synthetic=self.conversations.synthetic,
+        scores = {"base_val_loss": before["base_val_loss"], "conversations": conversations}
+        lora = None
+        if a.lora:
+            settings = dict(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout, export=a.lora_export)
+            lora = {**settings, "targets": before["lora_targets"]}
+        return Outcome(
+            model,
+            state_dict,
+            metrics=scores,
+            procedure={"lora": lora} if lora else {},
+            card=card_text(data.record, metrics, scores, lora),
+            samples=[
+                f"--- user: {c['messages'][-1]['content']!r}\n    before: {c['before']!r}\n    after:  {c['after']!r}"
+                for c in conversations
+            ],
+            write_files=write_files,
         )
 
-    def record_procedure(self) -> dict:
-        a = self.args
-        if not a.lora:
-            return {}
-        lora = dict(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout, export=a.lora_export)
-        return {"lora": {**lora, "targets": getattr(self, "lora_targets", a.lora_target_modules)}}
 
-    def sample_texts(self) -> list[str]:
-        return [m["content"] for row in self.splits["train"][:300] for m in row]
+def copy_adapter(adapter_dir: str, base: str, folder: str) -> None:
+    """--lora-export adapter: the adapter in FOLDER/adapter, naming its base `base` (the folder's name, a Hub id
+    once published), never the local path it was trained from."""
+    target = os.path.join(folder, "adapter")
+    shutil.copytree(adapter_dir, target)
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    set_adapter_base(target, base)
 
-    def show_samples(self, model, tokenizer, say) -> None:
-        for shown, before, after in zip(self.shown, self.before, self.after, strict=True):
-            say(f"--- user: {shown[-1]['content']!r}\n    before: {before!r}\n    after:  {after!r}")
+
+def card_text(data: dict, metrics: dict, scores: dict, lora: dict | None) -> dict:
+    """The card's words on a chat fine-tuning run (`folder.record.CardRecord`)."""
+    text = (
+        f"{data['corpus']}: {data['train']:,} training and {data['validation']:,} validation conversations; "
+        f"{data['dropped_too_long']} dropped as longer than {data['context_length']} tokens. The loss is on the "
+        "assistant's tokens only (the chat template's `{% generation %}` marks); system and user tokens are "
+        "read, never predicted.\n"
+    )
+    if data["synthetic"]:
+        text += (
+            "\n**The conversations are synthetic**: made by a program from text that ships with Python, not "
+            "written or checked by people. They teach the shape of a reply, not facts beyond that text.\n"
+        )
+    evaluation = []
+    if metrics["val_loss"] is not None:
+        evaluation.append(
+            f"Validation loss per assistant token: {scores['base_val_loss']:.4f} before fine-tuning, "
+            f"**{metrics['val_loss']:.4f}** after (perplexity {metrics['val_perplexity']:.2f}).\n"
+        )
+    if scores["conversations"]:
+        cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        evaluation.append("Greedy replies to held-out prompts, before and after fine-tuning:\n")
+        evaluation.append("| prompt | before | after |\n| --- | --- | --- |")
+        evaluation += [
+            f"| {cell(c['messages'][-1]['content'])} | {cell(c['before'])} | {cell(c['after'])} |"
+            for c in scores["conversations"]
+        ]
+        evaluation.append("")
+    procedure, usage = [], CHAT_USAGE
+    if lora:
+        kept = "merged into the weights" if lora["export"] == "merged" else "beside the base weights, in `adapter/`"
+        targets = ", ".join(f"`{t}`" for t in lora["targets"])
+        procedure.append(
+            [
+                "LoRA (PEFT)",
+                f"rank {lora['r']}, alpha {lora['alpha']}, dropout {lora['dropout']}, on {targets}; {kept}",
+            ]
+        )
+        usage = ADAPTER_USAGE if lora["export"] == "adapter" else CHAT_USAGE
+    return dict(
+        kind="decoder-only chat model",
+        tags=["conversational", "sft"] + (["lora"] if lora else []),
+        data=text,
+        procedure=procedure,
+        evaluation="\n".join(evaluation),
+        usage=usage,
+        limitations=(
+            "A chat model fine-tuned on the conversations above, for studying how such models work. It has not "
+            "been aligned or filtered beyond them and can produce false or offensive text."
+        ),
+    )
+
+
+CHAT_USAGE = """```python
+from transformers import pipeline
+
+chat = pipeline("text-generation", model="{repo}", trust_remote_code=True)
+messages = [{"role": "user", "content": "What does `os.path.join` do?"}]
+print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
+```
+
+The conversation is rendered with the folder's chat template (`chat_template.jinja`); `deriv chat {repo}` talks with
+it in a terminal."""
+
+ADAPTER_USAGE = """```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+base = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)  # the weights before fine-tuning
+model = PeftModel.from_pretrained(base, "{repo}", subfolder="adapter").merge_and_unload()
+tokenizer = AutoTokenizer.from_pretrained("{repo}")
+chat = pipeline("text-generation", model=model, tokenizer=tokenizer)
+messages = [{"role": "user", "content": "What does `os.path.join` do?"}]
+print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
+```
+
+The folder holds the base model's weights and, in `adapter/`, the LoRA adapter trained on them: loading the folder
+without PEFT gives the model before fine-tuning. `deriv chat {repo}` merges the adapter itself."""
 
 
 def prompts_that_fit(rows, tokenizer, args, reply_tokens: int) -> list[tuple[dict, ...]]:
@@ -291,7 +379,7 @@ def check_lora_mode(mode) -> None:
     from accelerate.utils import DistributedType
 
     if mode in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ValueError(
+        raise UsageError(
             f"--lora runs on one process or under DDP, not under {mode.value}; launch without FSDP / DeepSpeed "
             "(LoRA's memory saving is in the optimizer state already), or fine-tune every weight"
         )

@@ -12,17 +12,19 @@ pairs (default gettext catalogs, local TSV/JSONL, or a `datasets` dataset)
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch.nn import functional as F
 
 from ..data.packing import LengthGroupedSampler, encoded_pairs
 from ..data.parallel import pairs_from_args, split_pairs
+from ..errors import UsageError
 from ..inference.evaluate import score
 from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
 from .driver import run
-from .task import Task
+from .task import Outcome, Source, Task, TaskData
 
 
 def seq2seq_collator(tokenizer, model):
@@ -55,75 +57,72 @@ class TranslationTask(Task):
     """Source -> target with the encoder-decoder; the whole validation split is scored at each evaluation."""
 
     name = "translation"
-    unit = "pairs"
-    token_kind = "target tokens"
     pipeline_class = DerivTranslationPipeline
     model_class = DerivForConditionalGeneration
 
-    def load(self) -> None:
-        self.corpus = pairs_from_args(self.args)
-        if not self.corpus.pairs:
-            raise ValueError(f"No pairs with text on both sides in {self.corpus.description}")
-        self.splits = split_pairs(self.corpus.pairs)
-        if not self.splits["train"] or not self.splits["validation"]:
-            raise ValueError(
-                f"{self.corpus.description} gives {len(self.splits['train'])} training and "
-                f"{len(self.splits['validation'])} validation pairs after the split; pass more pairs."
+    def read(self) -> Source:
+        corpus = pairs_from_args(self.args)
+        if not corpus.pairs:
+            raise UsageError(f"No pairs with text on both sides in {corpus.description}")
+        splits = split_pairs(corpus.pairs)
+        if not splits["train"] or not splits["validation"]:
+            raise UsageError(
+                f"{corpus.description} gives {len(splits['train'])} training and "
+                f"{len(splits['validation'])} validation pairs after the split; pass more pairs."
             )
-
-    def tokenizer_texts(self):
-        return (text for p in self.splits["train"] for text in (p.source, p.target))
-
-    def datasets(self, tokenizer) -> tuple:
-        a = self.args
-        self.train, too_long_train = encoded_pairs(
-            self.splits["train"], tokenizer, a.max_position_embeddings, a.cache_dir
+        return Source(
+            {**splits, "skipped_empty": corpus.skipped_empty},
+            lambda: (text for p in splits["train"] for text in (p.source, p.target)),
+            lambda: [t for p in splits["train"][:300] for t in (p.source, p.target)],
+            corpus.description,
         )
-        self.validation, too_long_val = encoded_pairs(
-            self.splits["validation"], tokenizer, a.max_position_embeddings, a.cache_dir
-        )
-        self.train_lengths = list(self.train["length"])
-        self.train = self.train.remove_columns("length")
+
+    def prepare(self, source: Source, tokenizer) -> TaskData:
+        a, s = self.args, source.splits
+        train, too_long_train = encoded_pairs(s["train"], tokenizer, a.max_position_embeddings, a.cache_dir)
+        validation, too_long_val = encoded_pairs(s["validation"], tokenizer, a.max_position_embeddings, a.cache_dir)
+        order = LengthGroupedSampler(list(train["length"]), a.batch_size, a.seed)
         # in order of length, so that evaluating the whole split pads little
-        lengths = list(self.validation["length"])
+        lengths = list(validation["length"])
         by_length = sorted(range(len(lengths)), key=lengths.__getitem__)
-        self.validation = self.validation.select(by_length).remove_columns("length")
-        self.too_long = too_long_train + too_long_val
-        s = self.splits
+        train = train.remove_columns("length")
+        validation = validation.select(by_length).remove_columns("length")
+        too_long = too_long_train + too_long_val
         self.say(
-            f"data: {self.corpus.description}: {len(s['train'])} / {len(s['validation'])} / {len(s['test'])} "
-            f"train / validation / test pairs; {self.corpus.skipped_empty} skipped for an empty side, "
-            f"{self.too_long} for being longer than {a.max_position_embeddings} tokens"
+            f"data: {source.description}: {len(s['train'])} / {len(s['validation'])} / {len(s['test'])} "
+            f"train / validation / test pairs; {s['skipped_empty']} skipped for an empty side, "
+            f"{too_long} for being longer than {a.max_position_embeddings} tokens"
         )
-        return self.train, self.validation
+        record = dict(
+            corpus=source.description,
+            dataset=a.dataset if a.dataset else None,
+            unit="pairs",
+            train=len(s["train"]),
+            validation=len(s["validation"]),
+            test=len(s["test"]),
+            context_length=a.max_position_embeddings,
+            skipped_empty=s["skipped_empty"],
+            dropped_too_long=too_long,
+            source_lang=a.source_lang,
+            target_lang=a.target_lang,
+        )
+        # the collator shifts labels with the model's own method: `start` makes it
+        return TaskData(train, validation, None, order, None, "pairs", "target tokens", record)
 
     def build_model(self, tokenizer) -> DerivForConditionalGeneration:
         a = self.args
         config = DerivSeq2SeqConfig(
             vocab_size=len(tokenizer),
-            hidden_size=a.hidden_size,
-            encoder_layers=a.encoder_layers or a.num_hidden_layers,
-            decoder_layers=a.decoder_layers or a.num_hidden_layers,
-            encoder_attention_heads=a.num_attention_heads,
-            decoder_attention_heads=a.num_attention_heads,
-            intermediate_size=a.intermediate_size,
-            hidden_act=a.hidden_act,
-            max_position_embeddings=a.max_position_embeddings,
-            pre_norm=a.pre_norm,
-            dropout=a.dropout,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=tokenizer.bos_token_id,
+            **a.model_overrides(),
         )
         return DerivForConditionalGeneration(config)
 
-    def adopt(self, model, tokenizer) -> DerivForConditionalGeneration:
-        self.collator = seq2seq_collator(tokenizer, model)  # it shifts labels with the model's own method
-        return model
-
-    def sampler(self, dataset, seed: int):
-        return LengthGroupedSampler(self.train_lengths, self.args.batch_size, seed)
+    def start(self, model, tokenizer, source, data):
+        return model, dataclasses.replace(data, collator=seq2seq_collator(tokenizer, model))
 
     def compute_loss(self, model, batch: dict, num_targets: torch.Tensor) -> torch.Tensor:
         if not self.args.label_smoothing:
@@ -145,37 +144,77 @@ class TranslationTask(Task):
             decoder_start_token_id=config.decoder_start_token_id,
         )
 
-    def final_metrics(self, model, tokenizer) -> dict:
+    def finish(self, model, state_dict, tokenizer, source, data, metrics) -> Outcome:
+        """The test split scored (BLEU, chrF, against copying the source), and the card's words on it."""
         a = self.args
-        test = self.splits["test"][: a.bleu_pairs] if a.bleu_pairs else self.splits["test"]
-        if not test:
-            return {}
-        self.say(f"scoring {len(test)} test pairs with beam search ({a.num_beams} beams)")
-        self.scores = score(model, tokenizer, test, a.num_beams, progress=a.progress)
-        return self.scores
-
-    def record_data(self) -> dict:
-        a = self.args
-        return dict(
-            corpus=self.corpus.description,
-            dataset=a.dataset if a.dataset else None,
-            unit=self.unit,
-            train=len(self.splits["train"]),
-            validation=len(self.splits["validation"]),
-            test=len(self.splits["test"]),
-            context_length=a.max_position_embeddings,
-            skipped_empty=self.corpus.skipped_empty,
-            dropped_too_long=self.too_long,
-            source_lang=a.source_lang,
-            target_lang=a.target_lang,
+        model = self.ready(model, tokenizer)
+        test = source.splits["test"][: a.bleu_pairs] if a.bleu_pairs else source.splits["test"]
+        scores = {}
+        if test:
+            self.say(f"scoring {len(test)} test pairs with beam search ({a.num_beams} beams)")
+            scores = score(model, tokenizer, test, a.num_beams, progress=a.progress)
+        return Outcome(
+            model,
+            state_dict,
+            metrics=scores,
+            procedure={"label_smoothing": a.label_smoothing},
+            card=card_text(data.record, metrics, scores, a.label_smoothing),
+            samples=[
+                f"--- {e['source']!r}\n    -> {e['translation']!r} (reference: {e['reference']!r})"
+                for e in scores.get("examples", [])[: a.samples]
+            ],
+            summary=(
+                f"; test BLEU {scores['bleu']:.1f} (copying the source: {scores['copy_source_bleu']:.1f}), "
+                f"chrF {scores['chrf']:.1f}\n{scores['bleu_signature']}"
+                if scores.get("bleu") is not None
+                else ""
+            ),
         )
 
-    def sample_texts(self) -> list[str]:
-        return [t for p in self.splits["train"][:300] for t in (p.source, p.target)]
 
-    def show_samples(self, model, tokenizer, say) -> None:
-        for example in getattr(self, "scores", {}).get("examples", [])[: self.args.samples]:
-            say(f"--- {example['source']!r}\n    -> {example['translation']!r} (reference: {example['reference']!r})")
+def card_text(data: dict, metrics: dict, scores: dict, label_smoothing: float) -> dict:
+    """The card's words on a translation run (`folder.record.CardRecord`): its pairs, its test scores."""
+    evaluation = ""
+    if metrics["val_perplexity"] is not None:
+        evaluation = (
+            f"Validation perplexity: **{metrics['val_perplexity']:.2f}** "
+            f"(loss {metrics['val_loss']:.4f} nats per token).\n\n"
+        )
+    entries = []
+    if scores.get("bleu") is not None:
+        m = scores
+        evaluation += (
+            f"On {m['test_pairs']:,} held-out test pairs, beam search with {m['num_beams']} beams through the "
+            "`deriv-translation` pipeline (scored with sacrebleu):\n\n"
+            "| | BLEU | chrF |\n| --- | ---: | ---: |\n"
+            f"| this model | {m['bleu']:.2f} | {m['chrf']:.2f} |\n"
+            f"| copying the source | {m['copy_source_bleu']:.2f} | {m['copy_source_chrf']:.2f} |\n\n"
+            f"BLEU signature `{m['bleu_signature']}`; chrF signature `{m['chrf_signature']}`.\n"
+        )
+        if m["examples"]:
+            cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            rows = [
+                f"| {cell(e['source'])} | {cell(e['reference'])} | {cell(e['translation'])} |" for e in m["examples"]
+            ]
+            evaluation += "\n" + "\n".join(["| source | reference | this model |\n| --- | --- | --- |", *rows]) + "\n"
+        for key, name, signature in (("bleu", "BLEU", "bleu_signature"), ("chrf", "chrF", "chrf_signature")):
+            entries.append(dict(type=key, name=name, value=round(m[key], 2), split="test", config=m[signature]))
+    return dict(
+        kind="encoder-decoder translation model",
+        data=(
+            f"{data['corpus']}: {data['train']:,} training, {data['validation']:,} validation and "
+            f"{data['test']:,} test pairs; {data['skipped_empty']} pairs skipped for an empty side and "
+            f"{data['dropped_too_long']} dropped as longer than {data['context_length']} tokens.\n"
+        ),
+        procedure=[["label smoothing", label_smoothing]],
+        evaluation=evaluation,
+        limitations=(
+            "A translation model for short texts in the domain of its training pairs; longer sources are "
+            "truncated to the model's context. Do not use its output where a wrong translation does harm; the "
+            "test score above is measured on held-out pairs of the same corpus and says little about other text."
+        ),
+        scores=entries,
+    )
 
 
 def train_translation(args, cpu: bool = False) -> str:
