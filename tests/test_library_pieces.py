@@ -1,7 +1,11 @@
 """Where a library's own piece replaced (or was found not to match) a hand-written one: the two agree on the
 inputs that matter, or the test says where and why they differ (issue 30, item 5)."""
 
+import json
 import math
+import os
+import re
+import struct
 
 import pytest
 import torch
@@ -83,3 +87,110 @@ def test_transformers_inverse_sqrt_is_ours_one_step_late():
     assert library[0] == 0.0
     assert library[1:] == pytest.approx(reference[:-1], rel=1e-12)
     assert all(a != b for a, b in zip(library, reference, strict=True))
+
+
+# ---- whole safetensors files: safetensors' safe_open in place of a hand-written header parser -----------
+
+
+def header_parser_refuses(file) -> bool:
+    """The parser folder/load.py had (the reference): a file is whole when it is exactly 8 + N + the largest
+    end offset bytes long, N the little-endian length of its JSON header."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return True
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            return True
+        try:
+            header = json.loads(f.read(length))
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError):
+            return True
+    return size != 8 + length + max(ends, default=0)
+
+
+def spoiled_files(whole: bytes) -> dict[str, bytes]:
+    (length,) = struct.unpack("<Q", whole[:8])
+    header = whole[8 : 8 + length]
+    return {
+        "whole": whole,
+        "one byte short": whole[:-1],
+        "100 bytes short": whole[:-100],
+        "a byte too many": whole + b"\0",
+        "empty": b"",
+        "shorter than the length": whole[:5],
+        "header only": whole[: 8 + length],
+        "length past the end": struct.pack("<Q", len(whole)) + whole[8:],
+        "header not JSON": whole[:8] + b"{" * length + whole[8 + length :],
+        "no data_offsets": struct.pack("<Q", 20) + b'{"a": {"dtype": 1}} ' + whole[8 + length :],
+        "offsets that disagree with a shape": whole[:8] + header.replace(b"400]", b"404]") + whole[8 + length :],
+    }
+
+
+def test_safe_open_refuses_the_files_the_header_parser_refused(tmp_path):
+    """Every file the parser refused is refused, naming it; the whole one is not. safe_open is also stricter:
+    it checks each tensor's offsets against its shape, which the parser (reading only the last end) did not."""
+    from safetensors.torch import save_file
+
+    from deriv_lm.folder.load import check_safetensors
+
+    save_file({"a": torch.zeros(10, 10), "b": torch.ones(3)}, tmp_path / "whole.safetensors")
+    whole = (tmp_path / "whole.safetensors").read_bytes()
+    assert b"400]" in whole  # the spoil that moves an end offset finds it
+    refused_before, refused_now = set(), set()
+    for case, content in spoiled_files(whole).items():
+        folder = tmp_path / case.replace(" ", "-")
+        folder.mkdir()
+        file = folder / "model.safetensors"
+        file.write_bytes(content)
+        if header_parser_refuses(file):
+            refused_before.add(case)
+        try:
+            check_safetensors(folder)
+        except ValueError as refusal:
+            assert str(file) in str(refusal), case
+            refused_now.add(case)
+    everything = set(spoiled_files(whole))
+    assert refused_now == everything - {"whole"}
+    assert refused_before == everything - {"whole", "offsets that disagree with a shape"}
+
+
+# ---- the code files of a folder: transformers' relative-import parser in place of a regex --------------
+
+
+def regex_code_files(folder) -> list[str]:
+    """What folder/load.py's regex walk listed (the reference)."""
+    pattern = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.M)
+    modules = [ref.split(".")[0] for ref in (folder.config.get("auto_map") or {}).values() if isinstance(ref, str)]
+    for task in (folder.config.get("custom_pipelines") or {}).values():
+        modules.append(task["impl"].split(".")[0])
+    needed: list[str] = []
+    while modules:
+        name = modules.pop(0) + ".py"
+        if name in needed:
+            continue
+        needed.append(name)
+        if folder.has(name):
+            modules += pattern.findall(open(folder.file(name), encoding="utf-8").read())
+    return needed
+
+
+@pytest.mark.parametrize("kind", ["lm", "seq2seq", "seq2seq without modeling_deriv.py"])
+def test_code_files_are_the_ones_the_regex_listed(tmp_path, kind):
+    from conftest import TINY, TINY_SEQ2SEQ
+
+    from deriv_lm import DerivConfig, DerivForCausalLM, DerivForConditionalGeneration, DerivSeq2SeqConfig
+    from deriv_lm.folder.load import code_files, read_folder
+
+    if kind == "lm":
+        DerivForCausalLM(DerivConfig(**TINY)).save_pretrained(tmp_path)
+    else:
+        DerivForConditionalGeneration(DerivSeq2SeqConfig(**TINY_SEQ2SEQ)).save_pretrained(tmp_path)
+    if kind.endswith("without modeling_deriv.py"):
+        (tmp_path / "modeling_deriv.py").unlink()  # imported by the seq2seq module: listed, and missing
+    folder = read_folder(tmp_path)
+    listed = code_files(folder)
+    assert listed == regex_code_files(folder)
+    assert "configuration_deriv.py" in listed and "modeling_deriv.py" in listed
