@@ -3,7 +3,8 @@
 The weights move; the network does not change: an imported model gives the source's logits (tests/test_convert.py).
 """
 
-from .folders import export_model, import_model
+from .export import export_model
+from .folders import import_model
 
 
 __all__ = ["import_model", "export_model"]

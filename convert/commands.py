@@ -60,7 +60,7 @@ def run_import(ns: argparse.Namespace) -> int:
 
 
 def run_export(ns: argparse.Namespace) -> int:
-    from .folders import export_model
+    from .export import export_model
 
     if ns.to == "onnx":  # writing the graph needs onnx and torch's exporter, onnxscript (running it, onnxruntime)
         require_extra("onnx", "deriv export --to onnx", ("onnx", "onnxscript"))

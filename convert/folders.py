@@ -15,7 +15,7 @@ import os
 import torch
 
 from ..folder.atomic import atomic_directory
-from ..folder.load import DERIV_MODEL_TYPES, check_model_type, load_weights, read_folder
+from ..folder.load import load_weights, read_folder
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
 from . import gpt2, marian
 
@@ -174,13 +174,3 @@ def import_model(source: str, out: str | os.PathLike) -> str:
     return IMPORTERS[kind](source, out)
 
 
-def export_model(folder: str | os.PathLike, to: str, out: str | os.PathLike) -> str:
-    """Write a Deriv folder as `to` (gpt2, marian, onnx) in `out`; a folder of another type is refused."""
-    if to == "onnx":  # (which also takes a native GPT-2 folder, as `native_gpt2` does)
-        from .onnx import export_onnx
-
-        return export_onnx(folder, out)
-    if to not in EXPORTERS:
-        raise ValueError(f"--to {to!r}: deriv export writes {sorted(EXPORTERS) + ['onnx']}.")
-    check_model_type(folder, model_type(folder), DERIV_MODEL_TYPES, consent=None)
-    return EXPORTERS[to](folder, out)

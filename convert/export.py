@@ -1,0 +1,25 @@
+"""`deriv export`'s dispatch: a Deriv folder out as a native architecture (`folders.EXPORTERS`) or as ONNX.
+
+Above both writers: the ONNX export builds on the native GPT-2 twin that `folders` makes, so the choice between
+them lives here rather than in `folders`, which would otherwise import `onnx` while `onnx` imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import UsageError
+from ..folder.load import DERIV_MODEL_TYPES, check_model_type
+from .folders import EXPORTERS, model_type
+
+
+def export_model(folder: str | os.PathLike, to: str, out: str | os.PathLike) -> str:
+    """Write a Deriv folder as `to` (gpt2, marian, onnx) in `out`; a folder of another type is refused."""
+    if to == "onnx":  # (which also takes a native GPT-2 folder, as `native_gpt2` does)
+        from .onnx import export_onnx
+
+        return export_onnx(folder, out)
+    if to not in EXPORTERS:
+        raise UsageError(f"--to {to!r}: deriv export writes {sorted(EXPORTERS) + ['onnx']}.")
+    check_model_type(folder, model_type(folder), DERIV_MODEL_TYPES, consent=None)
+    return EXPORTERS[to](folder, out)
