@@ -26,8 +26,9 @@ TINY_LM = ["--vocab-size", "300", "--context-length", "32", "--hidden-size", "32
 TINY_LM += ["--num-attention-heads", "2", "--intermediate-size", "64", "--batch-size", "4", "--max-steps", "2"]
 TINY_LM += ["--warmup-steps", "1", "--eval-every", "2", "--eval-batches", "1", "--save-every", "2", "--samples", "1"]
 TINY_LM += ["--num-proc", "1", "--no-progress", "--cpu"]
-TINY_MT = ["--vocab-size", "300", "--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1"]
-TINY_MT += ["--num-attention-heads", "2", "--intermediate-size", "64", "--batch-size", "8", "--max-steps", "2"]
+TINY_MT = ["--vocab-size", "300", "--context-length", "24", "--hidden-size", "32", "--encoder-layers", "1"]
+TINY_MT += ["--decoder-layers", "1", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+TINY_MT += ["--intermediate-size", "64", "--batch-size", "8", "--max-steps", "2"]
 TINY_MT += ["--warmup-steps", "1", "--eval-every", "2", "--save-every", "2", "--num-beams", "2", "--samples", "1"]
 TINY_MT += ["--no-progress", "--cpu"]
 

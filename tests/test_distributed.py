@@ -235,7 +235,8 @@ def test_translation_under_fsdp_trains_like_ddp_and_exports_a_whole_model(tmp_pa
 
     data = tmp_path / "pairs.tsv"
     data.write_text("".join(f"open the file {n}\töffne die Datei {n}\n" for n in range(200)), encoding="utf-8")
-    shape = "--vocab-size 300 --context-length 16 --hidden-size 32 --num-hidden-layers 1 --num-attention-heads 2"
+    shape = "--vocab-size 300 --context-length 16 --hidden-size 32 --encoder-layers 1 --decoder-layers 1"
+    shape += " --encoder-attention-heads 2 --decoder-attention-heads 2"
     run = "--intermediate-size 64 --batch-size 8 --max-steps 4 --eval-every 4 --save-every 4 --log-every 1"
     flags = [*shape.split(), *run.split(), "--dropout", "0", "--num-beams", "1", "--bleu-pairs", "8"]
     curves, weights = {}, {}

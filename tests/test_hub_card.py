@@ -41,7 +41,8 @@ def mt_folder(tmp_path_factory):
     ]
     data.write_text("\n".join(rows) + "\n", encoding="utf-8")
     args = ["train", "translation", "--files", str(data), "--output-dir", str(tmp / "mt"), "--vocab-size", "300"]
-    args += ["--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1", "--num-attention-heads", "2"]
+    args += ["--context-length", "24", "--hidden-size", "32", "--encoder-layers", "1", "--decoder-layers", "1"]
+    args += ["--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
     args += ["--intermediate-size", "64", "--batch-size", "16", "--max-steps", "6", "--warmup-steps", "2"]
     args += ["--eval-every", "3", "--save-every", "6", "--num-beams", "2", "--no-progress", "--cpu"]
     assert main(args) == 0

@@ -186,17 +186,7 @@ def test_a_seeded_model_draws_the_weights_the_single_module_build_drew(monkeypat
 def translation_preset_config(**overrides) -> DerivSeq2SeqConfig:
     """The shape `deriv train translation` builds by default (its `tiny` preset: V 4096, d 256, 3 + 3 layers)."""
     args = TranslationTrainingArguments(**TRANSLATION_PRESETS["tiny"])
-    shape = dict(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        encoder_layers=args.num_hidden_layers,
-        decoder_layers=args.num_hidden_layers,
-        encoder_attention_heads=args.num_attention_heads,
-        decoder_attention_heads=args.num_attention_heads,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_position_embeddings,
-        dropout=args.dropout,
-    )
+    shape = dict(vocab_size=args.vocab_size, **args.model_overrides())
     return DerivSeq2SeqConfig(**{**shape, **overrides})
 
 

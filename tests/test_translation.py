@@ -215,9 +215,13 @@ def translation_run(tmp_path_factory):
             "24",
             "--hidden-size",
             "64",
-            "--num-hidden-layers",
+            "--encoder-layers",
             "2",
-            "--num-attention-heads",
+            "--decoder-layers",
+            "2",
+            "--encoder-attention-heads",
+            "4",
+            "--decoder-attention-heads",
             "4",
             "--intermediate-size",
             "128",
@@ -310,8 +314,10 @@ def test_resume_continues_the_translation_run(translation_run, tmp_path, capsys)
         "vocab_size",
         "max_position_embeddings",
         "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
+        "encoder_layers",
+        "decoder_layers",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
         "intermediate_size",
         "batch_size",
         "warmup_steps",
@@ -335,7 +341,8 @@ def test_a_one_beam_run_exports_and_loads(tmp_path):
     data = tmp_path / "pairs.tsv"
     data.write_text("".join(f"open file {n}\töffne Datei {n}\n" for n in range(60)), encoding="utf-8")
     args = ["train", "translation", "--files", str(data), "--output-dir", str(tmp_path / "mt"), "--vocab-size", "300"]
-    args += ["--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1", "--num-attention-heads", "2"]
+    args += ["--context-length", "24", "--hidden-size", "32", "--encoder-layers", "1", "--decoder-layers", "1"]
+    args += ["--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
     args += ["--intermediate-size", "64", "--batch-size", "8", "--max-steps", "2", "--warmup-steps", "1"]
     args += ["--eval-every", "2", "--save-every", "2", "--num-beams", "1", "--samples", "1", "--no-progress", "--cpu"]
     assert main(args) == 0
@@ -392,8 +399,9 @@ def test_a_stopped_and_resumed_translation_run_ends_with_the_same_weights(tmp_pa
 
     def train(folder, steps, *extra):
         args = ["train", "translation", "--files", str(data), "--output-dir", str(folder), "--vocab-size", "300"]
-        args += ["--context-length", "24", "--hidden-size", "32", "--num-hidden-layers", "1"]
-        args += ["--num-attention-heads", "2", "--intermediate-size", "64", "--batch-size", "8"]
+        args += ["--context-length", "24", "--hidden-size", "32", "--encoder-layers", "1", "--decoder-layers", "1"]
+        args += ["--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+        args += ["--intermediate-size", "64", "--batch-size", "8"]
         args += ["--max-steps", str(steps), "--warmup-steps", "2", "--eval-every", "100", "--save-every", "5"]
         args += ["--num-beams", "1", "--samples", "0", "--bleu-pairs", "1", "--no-progress", "--cpu", *extra]
         assert main(args) == 0

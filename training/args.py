@@ -1,30 +1,44 @@
-"""Training arguments: dataclasses by concern, presets, and parsing with `HfArgumentParser`.
+"""Training arguments: one dataclass per concern, a task's settings composed of them, presets as files.
 
-    RunArguments            where the run goes, how it is observed and saved
-    DataArguments           where the text comes from (files, a `datasets` dataset, or the embedded default)
-    TokenizerArguments      an existing tokenizer, or the size of the one to train
-    ModelArguments          the shape shared by both models
-    OptimizationArguments   optimizer, schedule, batch, precision, seed
-    LanguageModelArguments  what only the language-model task uses (documents, validation split)
-    TranslationArguments    what only the translation task uses (languages, sides, smoothing, BLEU)
+    RunArguments              where the run goes, how it is observed and saved
+    DataArguments             where the text comes from (files, a `datasets` dataset, or the embedded default)
+    TokenizerArguments        an existing tokenizer, or the size of the one to train
+    ModelArguments            the language model's shape, under DerivConfig's own names
+    TranslationModelArguments the encoder-decoder's shape, under DerivSeq2SeqConfig's own names
+    ChatModelArguments        the model to fine-tune (--init-from) and the little a fine-tuning run sets on it
+    OptimizationArguments     optimizer, schedule, batch, precision, seed
+    LanguageModelArguments    what only the language-model task uses (documents, validation split)
+    TranslationArguments      what only the translation task uses (languages, smoothing, BLEU)
+    ChatArguments             what only the chat task uses (conversations, packing, LoRA)
 
-A task's arguments are one flat dataclass made of these (`TrainingArguments` for the language model,
-`TranslationTrainingArguments` for translation), so `args.learning_rate` reads as before; its flags are
-grouped by concern in `--help`, and a task's `--help` lists only what that task uses. Every value is
-checked in `__post_init__`: `TrainingArguments(max_steps=0)` from Python fails as the command line does.
-Precedence, lowest first: the dataclass defaults, the preset, the `--config` file, the command line.
+Each concern checks its own values in `__post_init__` (a bad one raises UsageError naming the field and its
+range). A task's settings (`TrainingArguments`, `TranslationTrainingArguments`, `ChatTrainingArguments`) hold
+one instance of each of its concerns and read and write each field through the one concern that owns it, so
+the rest of the code reads `args.learning_rate` and sets `args.vocab_size = n`:
+
+    args = TrainingArguments(max_steps=100)       # flat keywords, each given to the concern that owns it
+    args.parts["optimisation"].max_steps          # the same value, in its concern
+    args.by_concern()                             # {"run": {...}, "data": {...}, ...}: run.json's `arguments`
+    DerivConfig(vocab_size=n, **args.model_overrides())
+
+On the command line (`parse`), `HfArgumentParser` makes the flags of the task's concerns, one group each.
+Precedence, lowest first: the dataclass defaults, the preset (a file in `presets/`), the `--config` file, the
+flags. The first three become the parser's defaults (`set_defaults`), so `--help` shows the values that apply.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Literal
 
 from ..arguments import MAX_BEAMS, MAX_SEED, check_range
+from ..errors import MissingFile, UsageError
 
 
 def arg(default, help: str, aliases: list[str] | None = None, **kwargs):
@@ -33,19 +47,6 @@ def arg(default, help: str, aliases: list[str] | None = None, **kwargs):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata, **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
-
-
-class Checked:
-    """Runs every concern's `check` on construction (and on `validate()`), most general concern first."""
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        for cls in reversed(type(self).__mro__):
-            check = cls.__dict__.get("check")
-            if check is not None:
-                check(self)
 
 
 def _positive(args, *names: str, optional: bool = False) -> None:
@@ -58,7 +59,22 @@ def _positive(args, *names: str, optional: bool = False) -> None:
 def _choice(args, name: str) -> None:
     allowed = typing.get_args(typing.get_type_hints(type(args))[name])
     if getattr(args, name) not in allowed:
-        raise ValueError(f"`{name}` must be one of {', '.join(allowed)}; got {getattr(args, name)!r}")
+        raise UsageError(f"`{name}` must be one of {', '.join(allowed)}; got {getattr(args, name)!r}")
+
+
+def _heads_divide(hidden_size: int, heads: int, name: str) -> None:
+    if hidden_size % heads:
+        raise UsageError(
+            f"`hidden_size` ({hidden_size}) must be divisible by `{name}` ({heads}): "
+            f"each head gets hidden_size / heads dimensions"
+        )
+
+
+def _hidden_act(value: str) -> None:
+    from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS
+
+    if value not in HIDDEN_ACTS:
+        raise UsageError(f"`hidden_act` must be one of {', '.join(HIDDEN_ACTS)}; got {value!r}")
 
 
 # The pip package of each accelerate tracker whose name is not its package's.
@@ -75,17 +91,20 @@ def check_tracker(name: str) -> None:
 
     trackers = [t.value for t in LoggerType]
     if name not in trackers:
-        raise ValueError(f"`report_to` must be one of none, {', '.join(trackers)}; got {name!r}")
+        raise UsageError(f"`report_to` must be one of none, {', '.join(trackers)}; got {name!r}")
     available = getattr(accelerate.utils, f"is_{name}_available", lambda: True)
     if not available():
         package = TRACKER_PACKAGES.get(name, name)
-        raise ValueError(f"`report_to` {name}: the {package} package is not installed; pip install {package}")
+        raise UsageError(f"`report_to` {name}: the {package} package is not installed; pip install {package}")
+
+
+# ---- the concerns -----------------------------------------------------------------------------------------
 
 
 @dataclass
-class RunArguments(Checked):
-    _argument_group_name = "run: where it goes, how it is observed and saved"
-    concern = "run"  # its key in the run record's `arguments`
+class RunArguments:
+    _argument_group_name: typing.ClassVar[str] = "run: where it goes, how it is observed and saved"
+    concern: typing.ClassVar[str] = "run"  # its key in the run record's `arguments`
 
     output_dir: str = arg("runs/deriv-tiny", "the exported model folder; checkpoints go to OUTPUT_DIR/checkpoints")
     preset: str = arg("tiny", "the named configuration the other values start from")
@@ -109,7 +128,7 @@ class RunArguments(Checked):
     samples: int = arg(3, "texts generated (or translated) at the end")
     progress: bool = arg(True, "show progress bars")
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         _positive(self, "log_every", "eval_every", "save_every", "keep_checkpoints")
         check_range("samples", self.samples, minimum=0, integral=True)
         check_range("early_stopping_patience", self.early_stopping_patience or 0, minimum=0, integral=True)
@@ -123,9 +142,9 @@ class RunArguments(Checked):
 
 
 @dataclass
-class DataArguments(Checked):
-    _argument_group_name = "data (none of --files / --dataset: the embedded default corpus)"
-    concern = "data"  # its key in the run record's `arguments`
+class DataArguments:
+    _argument_group_name: typing.ClassVar[str] = "data (none of --files / --dataset: the embedded default corpus)"
+    concern: typing.ClassVar[str] = "data"  # its key in the run record's `arguments`
 
     files: list[str] = arg([], "local files: .txt, .jsonl, .json, .csv, .parquet (translation: .tsv, .jsonl)")
     dataset: str | None = arg(None, "a `datasets` dataset: a local folder or a name on the Hub")
@@ -134,21 +153,21 @@ class DataArguments(Checked):
     num_proc: int | None = arg(None, "processes for tokenization (default: one per CPU core, at most 8)")
     cache_dir: str | None = arg(None, "the `datasets` cache (default: the library's)")
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         _positive(self, "num_proc", optional=True)
         if self.files and self.dataset:
             raise ValueError("Pass either `files` or `dataset`, not both")
 
 
 @dataclass
-class TokenizerArguments(Checked):
-    _argument_group_name = "tokenizer"
-    concern = "tokenizer"  # its key in the run record's `arguments`
+class TokenizerArguments:
+    _argument_group_name: typing.ClassVar[str] = "tokenizer"
+    concern: typing.ClassVar[str] = "tokenizer"  # its key in the run record's `arguments`
 
     tokenizer: str | None = arg(None, "an existing tokenizer folder (default: train one on the training split)")
     vocab_size: int = arg(4096, "ids in the tokenizer to train (and so rows of the embedding)")
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         from ..tokenization.bpe import LARGEST_VOCAB_SIZE, SMALLEST_VOCAB_SIZE
 
         check_range(
@@ -156,46 +175,98 @@ class TokenizerArguments(Checked):
         )
 
 
+INIT_FROM_HELP = (
+    "a Deriv model folder to start from (one trained here, or written by `deriv import`): its weights, "
+    "architecture and tokenizer; the shape flags above are then not used"
+)
+# The model concerns' fields that are not the config's: `model_overrides` leaves them out.
+NOT_CONFIG = ("init_from",)
+
+
 @dataclass
-class ModelArguments(Checked):
-    _argument_group_name = "model"
-    concern = "model"  # its key in the run record's `arguments`
+class ModelArguments:
+    """The language model's shape, each field named as in `DerivConfig`."""
+
+    _argument_group_name: typing.ClassVar[str] = "model: DerivConfig's fields"
+    concern: typing.ClassVar[str] = "model"  # its key in the run record's `arguments`
 
     max_position_embeddings: int = arg(
         128, "positions the model reads: its context length", aliases=["--context-length", "--context_length"]
     )
     hidden_size: int = arg(256, "d_model")
-    num_hidden_layers: int = arg(4, "layers (translation: per side, unless --encoder-layers / --decoder-layers)")
+    num_hidden_layers: int = arg(4, "layers")
     num_attention_heads: int = arg(4, "heads; each gets hidden_size / heads dimensions")
     intermediate_size: int = arg(1024, "d_ff, the feed-forward width")
     hidden_act: Literal["relu", "gelu", "gelu_new", "silu"] = arg("relu", "the feed-forward activation")
     pre_norm: bool = arg(False, "LayerNorm before each sublayer (GPT-2) instead of after it (the paper)")
     dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
-    init_from: str | None = arg(
-        None,
-        "a Deriv model folder to start from (one trained here, or written by `deriv import`): its weights, "
-        "architecture and tokenizer; the shape flags above are then not used",
-    )
+    init_from: str | None = arg(None, INIT_FROM_HELP)
 
-    def check(self) -> None:
-        from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS
-
+    def __post_init__(self) -> None:
         _positive(self, "max_position_embeddings", "hidden_size", "num_hidden_layers", "num_attention_heads")
         _positive(self, "intermediate_size")
         check_range("dropout", self.dropout, minimum=0, below=1)
-        if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"`hidden_act` must be one of {', '.join(HIDDEN_ACTS)}; got {self.hidden_act!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
-                f"({self.num_attention_heads}): each head gets hidden_size / heads dimensions"
-            )
+        _hidden_act(self.hidden_act)
+        _heads_divide(self.hidden_size, self.num_attention_heads, "num_attention_heads")
 
 
 @dataclass
-class OptimizationArguments(Checked):
-    _argument_group_name = "optimisation"
-    concern = "optimisation"  # its key in the run record's `arguments`
+class TranslationModelArguments:
+    """The encoder-decoder's shape, each field named as in `DerivSeq2SeqConfig` (layers and heads per side)."""
+
+    _argument_group_name: typing.ClassVar[str] = "model: DerivSeq2SeqConfig's fields"
+    concern: typing.ClassVar[str] = "model"  # its key in the run record's `arguments`
+
+    max_position_embeddings: int = arg(
+        128,
+        "positions each side reads: the longest source, and the longest target",
+        aliases=["--context-length", "--context_length"],
+    )
+    hidden_size: int = arg(256, "d_model")
+    encoder_layers: int = arg(4, "the encoder's layers")
+    decoder_layers: int = arg(4, "the decoder's layers")
+    encoder_attention_heads: int = arg(4, "the encoder's heads; each gets hidden_size / heads dimensions")
+    decoder_attention_heads: int = arg(4, "the decoder's heads (self- and cross-attention)")
+    intermediate_size: int = arg(1024, "d_ff, the feed-forward width of both sides")
+    hidden_act: Literal["relu", "gelu", "gelu_new", "silu"] = arg("relu", "the feed-forward activation")
+    pre_norm: bool = arg(False, "LayerNorm before each sublayer (GPT-2) instead of after it (the paper)")
+    dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
+    init_from: str | None = arg(None, INIT_FROM_HELP)
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_position_embeddings", "hidden_size", "encoder_layers", "decoder_layers")
+        _positive(self, "encoder_attention_heads", "decoder_attention_heads", "intermediate_size")
+        check_range("dropout", self.dropout, minimum=0, below=1)
+        _hidden_act(self.hidden_act)
+        for side in ("encoder", "decoder"):
+            _heads_divide(self.hidden_size, getattr(self, f"{side}_attention_heads"), f"{side}_attention_heads")
+
+
+@dataclass
+class ChatModelArguments:
+    """The model a chat run fine-tunes: a folder, whose shape it keeps; the run sets only its dropout and the
+    longest conversation it trains on (at most the model's positions)."""
+
+    _argument_group_name: typing.ClassVar[str] = "model: the folder to fine-tune"
+    concern: typing.ClassVar[str] = "model"  # its key in the run record's `arguments`
+
+    init_from: str | None = arg(None, "the Deriv model folder to fine-tune (one trained here, or `deriv import`ed)")
+    max_position_embeddings: int = arg(
+        128,
+        "the longest conversation trained on, in tokens (at most the model's positions)",
+        aliases=["--context-length", "--context_length"],
+    )
+    dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_position_embeddings")
+        check_range("dropout", self.dropout, minimum=0, below=1)
+
+
+@dataclass
+class OptimizationArguments:
+    _argument_group_name: typing.ClassVar[str] = "optimisation"
+    concern: typing.ClassVar[str] = "optimisation"  # its key in the run record's `arguments`
 
     batch_size: int = arg(16, "sequences (or pairs) per device per micro-batch")
     gradient_accumulation_steps: int = arg(1, "micro-batches per optimizer step")
@@ -213,7 +284,7 @@ class OptimizationArguments(Checked):
     gradient_checkpointing: bool = arg(False, "recompute each layer's activations in the backward: less memory")
     compile: bool = arg(False, "torch.compile the model for training (on the CPU this needs a C++ compiler)")
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         _positive(self, "batch_size", "gradient_accumulation_steps", "max_steps")
         check_range("warmup_steps", self.warmup_steps, minimum=0, integral=True)
         check_range("seed", self.seed, minimum=0, maximum=MAX_SEED, integral=True)  # numpy's seeds are 32 bits
@@ -228,9 +299,9 @@ class OptimizationArguments(Checked):
 
 
 @dataclass
-class LanguageModelArguments(Checked):
-    _argument_group_name = "language model"
-    concern = "language_model"  # its key in the run record's `arguments`
+class LanguageModelArguments:
+    _argument_group_name: typing.ClassVar[str] = "language model"
+    concern: typing.ClassVar[str] = "language_model"  # its key in the run record's `arguments`
 
     text_column: str = arg("text", "the column of --files / --dataset that holds the text")
     streaming: bool = arg(
@@ -245,7 +316,7 @@ class LanguageModelArguments(Checked):
     shuffle_buffer: int = arg(1000, "--streaming: blocks in the shuffle buffer, reordered each pass (0: no shuffle)")
     eval_batches: int = arg(20, "validation batches per evaluation")
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         _positive(self, "max_documents", optional=True)
         _positive(self, "eval_batches", "validation_documents", "tokenizer_sample")
         check_range("shuffle_buffer", self.shuffle_buffer, minimum=0, integral=True)
@@ -258,28 +329,26 @@ class LanguageModelArguments(Checked):
 
 
 @dataclass
-class TranslationArguments(Checked):
-    _argument_group_name = "translation"
-    concern = "translation"  # its key in the run record's `arguments`
+class TranslationArguments:
+    _argument_group_name: typing.ClassVar[str] = "translation"
+    concern: typing.ClassVar[str] = "translation"  # its key in the run record's `arguments`
 
     source_lang: str = arg("en", "source language (a `translation` column key, or English for the default)")
     target_lang: str = arg("de", "target language")
-    encoder_layers: int | None = arg(None, "encoder layers (default: num_hidden_layers)")
-    decoder_layers: int | None = arg(None, "decoder layers (default: num_hidden_layers)")
     label_smoothing: float = arg(0.0, "the paper's 0.1 (§5.4)")
     num_beams: int = arg(4, "beam width for the BLEU evaluation and the exported generation defaults")
     bleu_pairs: int | None = arg(None, "score BLEU on at most this many test pairs (default: all)")
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         check_range("num_beams", self.num_beams, minimum=1, maximum=MAX_BEAMS, integral=True)
-        _positive(self, "encoder_layers", "decoder_layers", "bleu_pairs", optional=True)
+        _positive(self, "bleu_pairs", optional=True)
         check_range("label_smoothing", self.label_smoothing, minimum=0, below=1)
 
 
 @dataclass
-class ChatArguments(Checked):
-    _argument_group_name = "chat fine-tuning"
-    concern = "chat"  # its key in the run record's `arguments`
+class ChatArguments:
+    _argument_group_name: typing.ClassVar[str] = "chat fine-tuning"
+    concern: typing.ClassVar[str] = "chat"  # its key in the run record's `arguments`
 
     messages_column: str = arg("messages", "the column of --files (.jsonl) / --dataset holding each conversation")
     max_conversations: int | None = arg(None, "read at most this many conversations")
@@ -302,7 +371,7 @@ class ChatArguments(Checked):
         "them (OUTPUT_DIR/adapter, for PeftModel.from_pretrained)",
     )
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         _positive(self, "max_conversations", optional=True)
         _positive(self, "lora_r")
         check_range("lora_alpha", self.lora_alpha, above=0)
@@ -311,181 +380,139 @@ class ChatArguments(Checked):
         _choice(self, "lora_export")
 
 
-SHARED = (RunArguments, DataArguments, TokenizerArguments, ModelArguments, OptimizationArguments)
+# ---- a task's settings: its concerns, composed ------------------------------------------------------------
 
 
-@dataclass
-class TrainingArguments(
-    LanguageModelArguments, OptimizationArguments, ModelArguments, TokenizerArguments, DataArguments, RunArguments
-):
-    """Everything `deriv train lm` takes, as one object (the language-model task's arguments)."""
+def _delegate(concern: str, name: str) -> property:
+    """`settings.<name>`, read and written in the concern that owns the field."""
 
-    concerns: typing.ClassVar = (*SHARED, LanguageModelArguments)
+    def get(self):
+        return getattr(self.parts[concern], name)
 
+    def set(self, value):
+        setattr(self.parts[concern], name, value)
 
-@dataclass
-class TranslationTrainingArguments(
-    TranslationArguments, OptimizationArguments, ModelArguments, TokenizerArguments, DataArguments, RunArguments
-):
-    """Everything `deriv train translation` takes, as one object."""
-
-    concerns: typing.ClassVar = (*SHARED, TranslationArguments)
+    return property(get, set, doc=f"`{concern}`'s `{name}`")
 
 
-@dataclass
-class ChatTrainingArguments(
-    ChatArguments, OptimizationArguments, ModelArguments, TokenizerArguments, DataArguments, RunArguments
-):
-    """Everything `deriv train sft` takes, as one object."""
+class Settings:
+    """A task's settings: one instance of each of its `concerns`, and each field's name as a property that reads
+    and writes it in the one concern that owns it (names are unique across a task's concerns: checked when the
+    class is made). Built from flat keywords (`TrainingArguments(max_steps=100)`), each concern checking its own."""
 
-    concerns: typing.ClassVar = (*SHARED, ChatArguments)
+    concerns: typing.ClassVar[tuple[type, ...]] = ()
+    task: typing.ClassVar[str] = ""  # the prefix of its preset files: presets/<task>-<name>.yaml
+    owners: typing.ClassVar[dict[str, str]] = {}  # field name -> the concern that owns it
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        owners: dict[str, str] = {}
+        for concern in cls.concerns:
+            for f in dataclasses.fields(concern):
+                if f.name in owners:
+                    raise TypeError(f"{cls.__name__}: `{f.name}` is in both {owners[f.name]} and {concern.concern}")
+                owners[f.name] = concern.concern
+                setattr(cls, f.name, _delegate(concern.concern, f.name))
+        cls.owners = owners
 
-# Each preset overrides only what differs from the defaults (which are the language model's `tiny`).
-PRESETS: dict[str, dict] = {
-    # The main job: about 4.2 M parameters, 600 steps of 16 x 128 tokens; minutes on 2 CPU cores.
-    "tiny": {},
-    # A model that writes passable prose on a few hundred MB; an hour-scale run on one GPU.
-    "small": dict(
-        output_dir="runs/deriv-small",
-        vocab_size=8192,
-        max_position_embeddings=256,
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        intermediate_size=1536,
-        batch_size=32,
-        max_steps=5000,
-        learning_rate=6e-4,
-        warmup_steps=500,
-        eval_every=250,
-        save_every=500,
-    ),
-    # GPT-2 small's shape (124 M parameters with a 50 257 vocabulary), pre-LN and GELU as GPT-2;
-    # a multi-GPU run: 8 GPUs x 8 sequences x 8 accumulation steps x 1024 tokens = 0.5 M tokens a step.
-    "gpt2-124m": dict(
-        output_dir="runs/deriv-gpt2-124m",
-        vocab_size=50257,
-        max_position_embeddings=1024,
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        hidden_act="gelu",
-        pre_norm=True,
-        dropout=0.0,
-        batch_size=8,
-        gradient_accumulation_steps=8,
-        max_steps=20000,
-        learning_rate=6e-4,
-        warmup_steps=700,
-        adam_beta2=0.95,
-        eval_every=500,
-        save_every=1000,
-        mixed_precision="bf16",
-    ),
-}
+    def __init__(self, **values):
+        unknown = sorted(set(values) - set(self.owners))
+        if unknown:
+            raise UsageError(f"{type(self).__name__}: unknown training arguments {unknown}")
+        parts = {}
+        for concern in self.concerns:
+            names = {f.name for f in dataclasses.fields(concern)}
+            parts[concern.concern] = concern(**{k: v for k, v in values.items() if k in names})
+        object.__setattr__(self, "parts", parts)
 
+    @classmethod
+    def from_parts(cls, parts) -> Settings:
+        """The settings of already-checked concern instances (what `HfArgumentParser` returns), one per concern."""
+        settings = cls.__new__(cls)
+        object.__setattr__(settings, "parts", {type(p).concern: p for p in parts})
+        if [type(p) for p in settings.parts.values()] != list(cls.concerns):
+            raise TypeError(f"{cls.__name__} is made of {[c.__name__ for c in cls.concerns]}")
+        return settings
 
-# The translation task's presets (`deriv train translation --preset ...`), over the same defaults.
-TRANSLATION_PRESETS: dict[str, dict] = {
-    # The paper's recipe at a size that trains on 2 CPU cores within 15 minutes on the gettext pairs.
-    "tiny": dict(
-        output_dir="runs/deriv-translate-tiny",
-        vocab_size=4096,
-        max_position_embeddings=64,
-        hidden_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        batch_size=64,
-        max_steps=1200,
-        learning_rate=1e-3,
-        lr_schedule="inverse_sqrt",
-        warmup_steps=200,
-        label_smoothing=0.1,
-        eval_every=200,
-        save_every=400,
-    ),
-    # The paper's base model (65 M parameters with its 37 000-token vocabulary); a GPU run.
-    "base": dict(
-        output_dir="runs/deriv-translate-base",
-        vocab_size=32000,
-        max_position_embeddings=256,
-        hidden_size=512,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        intermediate_size=2048,
-        batch_size=128,
-        max_steps=100000,
-        learning_rate=7e-4,
-        lr_schedule="inverse_sqrt",
-        warmup_steps=4000,
-        label_smoothing=0.1,
-        eval_every=2000,
-        save_every=5000,
-        mixed_precision="bf16",
-    ),
-}
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.owners:  # a typo would otherwise be a new attribute no one reads
+            raise AttributeError(f"{type(self).__name__} has no training argument `{name}`")
+        object.__setattr__(self, name, value)
 
-# The chat task's presets (`deriv train sft --preset ...`): fine-tuning the folder `deriv train lm` writes.
-CHAT_PRESETS: dict[str, dict] = {
-    # The tiny language model on the embedded synthetic conversations: minutes on 2 CPU cores.
-    "tiny": dict(
-        output_dir="runs/deriv-tiny-chat",
-        init_from="runs/deriv-tiny",
-        max_steps=300,
-        batch_size=16,
-        learning_rate=3e-4,
-        warmup_steps=30,
-        eval_every=50,
-        save_every=100,
-    ),
-}
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.parts == self.parts
 
-PRESETS_OF = {
-    TrainingArguments: PRESETS,
-    TranslationTrainingArguments: TRANSLATION_PRESETS,
-    ChatTrainingArguments: CHAT_PRESETS,
-}
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+    def validate(self) -> None:
+        """Check every concern again (after fields were set one by one)."""
+        for part in self.parts.values():
+            part.__post_init__()
+
+    def by_concern(self) -> dict[str, dict]:
+        """{concern: {field: value}}, in the concerns' order: run.json's `arguments`."""
+        return {name: dataclasses.asdict(part) for name, part in self.parts.items()}
+
+    def to_dict(self) -> dict:
+        """Every field's value under its own name (for a tracker's flat config)."""
+        return {k: v for values in self.by_concern().values() for k, v in values.items()}
+
+    def model_overrides(self) -> dict:
+        """The model concern's fields that are the model config's own (all but `init_from`)."""
+        return {k: v for k, v in dataclasses.asdict(self.parts["model"]).items() if k not in NOT_CONFIG}
+
+    def describe(self) -> str:
+        """The resolved settings, one line per concern, for the start of a run's log."""
+        lines = [f"settings (preset {self.preset}):"]
+        for name, values in self.by_concern().items():
+            lines.append(f"  {name}: " + " ".join(f"{k}={_short(v)}" for k, v in values.items()))
+        return "\n".join(lines)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.parts["run"].checkpoint_dir
 
 
-def build_parser(kind: type = TrainingArguments, **parser_kwargs):
-    """`kind`'s flags, one group per concern, made by `HfArgumentParser` (`--max-steps 100`, `--pre-norm`,
-    `--no-progress`, `--files a.txt b.txt`), plus `--config` and `--cpu`."""
-    import argparse
-
-    from transformers import HfArgumentParser
-
-    parser_kwargs.setdefault("formatter_class", argparse.HelpFormatter)
-    return finish_flags(HfArgumentParser(kind.concerns, **parser_kwargs), kind)
+def _short(value) -> str:
+    return ",".join(map(str, value)) or "[]" if isinstance(value, list) else str(value)
 
 
-def finish_flags(parser, kind: type):
-    """Add --config and --cpu to an `HfArgumentParser` of `kind`'s concerns, and make every flag that is not
-    given absent from the parsed namespace (default SUPPRESS), so that `from_namespace` can put the flags
-    above the file and the preset; the help states each field's default instead."""
-    import argparse
-
-    defaults = {f.name: f for f in dataclasses.fields(kind)}
-    for action in parser._actions:
-        if action.dest in defaults and action.default is not argparse.SUPPRESS:
-            if action.help and not action.option_strings[0].startswith("--no") and "default" not in action.help:
-                action.help += f" (default: {_default_of(defaults[action.dest])})"
-            action.default = argparse.SUPPRESS
-    parser.add_argument("--config", help="a YAML or JSON file of training arguments (flags override it)")
-    parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
-    return parser
+SHARED = (RunArguments, DataArguments, TokenizerArguments)
 
 
-def _default_of(f: dataclasses.Field):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+class TrainingArguments(Settings):
+    """Everything `deriv train lm` takes (the language-model task's settings)."""
+
+    concerns = (*SHARED, ModelArguments, OptimizationArguments, LanguageModelArguments)
+    task = "lm"
 
 
-def load_config_file(path: str, kind: type = TrainingArguments) -> dict:
+class TranslationTrainingArguments(Settings):
+    """Everything `deriv train translation` takes."""
+
+    concerns = (*SHARED, TranslationModelArguments, OptimizationArguments, TranslationArguments)
+    task = "translation"
+
+
+class ChatTrainingArguments(Settings):
+    """Everything `deriv train sft` takes."""
+
+    concerns = (*SHARED, ChatModelArguments, OptimizationArguments, ChatArguments)
+    task = "sft"
+
+
+# ---- configuration files (--config, and the presets) -------------------------------------------------------
+
+
+def _field_types(kind: type[Settings]) -> dict[str, typing.Any]:
+    return {name: hint for concern in kind.concerns for name, hint in typing.get_type_hints(concern).items()}
+
+
+def read_config(path: str, kind: type[Settings] = TrainingArguments) -> dict:
     """A YAML or JSON file's training arguments, each checked against the type of its field."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"No such config file: {path}")
+        raise MissingFile(f"No such config file: {path}")
     import yaml
 
     try:
@@ -493,15 +520,17 @@ def load_config_file(path: str, kind: type = TrainingArguments) -> dict:
             values = (yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)) or {}
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as error:
         kind_name = "YAML" if path.endswith((".yaml", ".yml")) else "JSON"
-        raise ValueError(f"{path}: not valid {kind_name} ({' '.join(str(error).split())})") from error
+        raise UsageError(f"{path}: not valid {kind_name} ({' '.join(str(error).split())})") from error
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of argument names to values")
-    hints = typing.get_type_hints(kind)
-    names = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(values) - names)
+        raise UsageError(f"{path}: expected a mapping of argument names to values")
+    unknown = sorted(set(values) - set(kind.owners))
     if unknown:
-        raise ValueError(f"{path}: unknown training arguments {unknown}")
+        raise UsageError(f"{path}: unknown training arguments {unknown}")
+    hints = _field_types(kind)
     return {name: _from_file(path, name, value, hints[name]) for name, value in values.items()}
+
+
+load_config_file = read_config  # the name it had
 
 
 def _from_file(path: str, name: str, value, hint):
@@ -528,17 +557,136 @@ def _from_file(path: str, name: str, value, hint):
     }
     ok, wanted = checks.get(origin or hint, (lambda v: isinstance(v, str), "text"))
     if not ok(value):
-        raise ValueError(f"{path}: `{name}` must be {wanted}, got {value!r}")
+        raise UsageError(f"{path}: `{name}` must be {wanted}, got {value!r}")
     return value
 
 
-def from_namespace(namespace, kind: type = TrainingArguments):
-    """Defaults < preset (of the task's presets) < --config file < command-line flags."""
-    presets = PRESETS_OF[kind]
-    names = {f.name for f in dataclasses.fields(kind)}
-    given = {k: v for k, v in vars(namespace).items() if k in names}
-    from_file = load_config_file(namespace.config, kind) if getattr(namespace, "config", None) else {}
-    preset = given.get("preset", from_file.get("preset", "tiny"))
-    if preset not in presets:
-        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(presets)}")
-    return kind(**{**presets[preset], **from_file, **given, "preset": preset})
+def write_config(args: Settings, path: str) -> None:
+    """`args` as a YAML file that `--config` reads back to the same settings."""
+    import yaml
+
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(args.to_dict(), f, sort_keys=False)
+
+
+# ---- presets: configuration files shipped with the package ------------------------------------------------
+
+DEFAULT_PRESET = "tiny"
+
+
+def _preset_files(task: str) -> dict[str, typing.Any]:
+    """{name: the file} of presets/<task>-<name>.yaml."""
+    folder = resources.files(__package__).joinpath("presets")
+    prefix = f"{task}-"
+    return {
+        entry.name[len(prefix) : -len(".yaml")]: entry
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+        if entry.name.startswith(prefix) and entry.name.endswith(".yaml")
+    }
+
+
+def load_presets(kind: type[Settings]) -> dict[str, dict]:
+    """{name: values} of `kind`'s preset files, each read as a `--config` file is."""
+    return {name: read_config(str(path), kind) for name, path in _preset_files(kind.task).items()}
+
+
+PRESETS: dict[str, dict] = load_presets(TrainingArguments)
+TRANSLATION_PRESETS: dict[str, dict] = load_presets(TranslationTrainingArguments)
+CHAT_PRESETS: dict[str, dict] = load_presets(ChatTrainingArguments)
+PRESETS_OF = {
+    TrainingArguments: PRESETS,
+    TranslationTrainingArguments: TRANSLATION_PRESETS,
+    ChatTrainingArguments: CHAT_PRESETS,
+}
+
+
+def preset_path(kind: type[Settings], name: str) -> str:
+    """The file of `kind`'s preset `name`: `--config` reads it too."""
+    files = _preset_files(kind.task)
+    if name not in files:
+        raise UsageError(f"Unknown preset {name!r}; choose one of {sorted(files)}")
+    return str(files[name])
+
+
+# ---- the command line ------------------------------------------------------------------------------------
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with each flag's default, which is the one that applies (the task's preset and --config
+    are the parser's defaults); a help text that already says what its default means is left as it is."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or (action.option_strings or [""])[0].startswith("--no"):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _hf_parser_class():
+    from transformers import HfArgumentParser
+
+    return HfArgumentParser
+
+
+def line_parser_class(base: type | None = None) -> type:
+    """`HfArgumentParser` whose namespace keeps its line (`LineParser`), with `base`'s errors if given."""
+    bases = (base,) if base is not None else ()
+    return type("TrainingParser", (*bases, LineParser, _hf_parser_class()), {})
+
+
+def build_parser(kind: type[Settings] = TrainingArguments, parser_class: type | None = None, **parser_kwargs):
+    """`kind`'s flags, one group per concern, made by `HfArgumentParser` (`--max-steps 100`, `--pre-norm`,
+    `--no-progress`, `--files a.txt b.txt`), plus `--config` and `--cpu`; its defaults are the default preset's.
+    `parser_class`: an `HfArgumentParser` (sub)class, for the command's own error lines."""
+    parser_kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+    parser = (parser_class or line_parser_class())(kind.concerns, **parser_kwargs)
+    add_file_flags(parser, kind)
+    return parser
+
+
+def add_file_flags(parser, kind: type[Settings]) -> None:
+    """--config and --cpu on `parser` (an `HfArgumentParser` of `kind`'s concerns), and the default preset's
+    values as its defaults, so that `--help` shows what a run without flags uses."""
+    parser.add_argument("--config", help="a YAML or JSON file of training arguments (flags override it)")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
+    parser.set_defaults(**PRESETS_OF[kind][DEFAULT_PRESET])
+
+
+def layered_defaults(kind: type[Settings], preset: str | None, config: str | None) -> dict:
+    """The preset's values under the --config file's: what the flags are parsed over. The preset is the one
+    the flags name, else the file's, else the default."""
+    from_file = read_config(config, kind) if config else {}
+    name = preset or from_file.get("preset") or DEFAULT_PRESET
+    preset_values = read_config(preset_path(kind, name), kind)
+    return {**preset_values, **from_file, "preset": name}
+
+
+def parse(argv: list[str], kind: type[Settings] = TrainingArguments, parser_class: type | None = None):
+    """(settings, the namespace of --config and --cpu) of a `deriv train` line: --preset and --config are read
+    first (a small parser), their values become the parser's defaults, then `HfArgumentParser` parses the line
+    into `kind`'s concerns."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--preset")
+    first.add_argument("--config")
+    known, _ = first.parse_known_args(argv)
+    parser = build_parser(kind, parser_class)
+    parser.set_defaults(**layered_defaults(kind, known.preset, known.config))
+    *parts, rest = parser.parse_args_into_dataclasses(args=argv)
+    return kind.from_parts(parts), rest
+
+
+def from_namespace(namespace, kind: type[Settings] = TrainingArguments, parser_class: type | None = None):
+    """The settings of a line a `LineParser` parsed (it keeps the line: the preset and --config can only be
+    put under the flags by parsing it again, over their values)."""
+    return parse(namespace.line, kind, parser_class)[0]
+
+
+class LineParser:
+    """Mixed into an `HfArgumentParser`: the parsed namespace keeps the line it came from (`line`)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        import sys
+
+        line = list(sys.argv[1:] if args is None else args)
+        parsed, rest = super().parse_known_args(line, namespace)
+        parsed.line = line
+        return parsed, rest

@@ -91,7 +91,7 @@ class LogMetrics(TrainerCallback):
             with open(path, "w") as f:
                 f.writelines(kept)
         if args.report_to != "none":
-            config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+            config = {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
             # the trackers that write files write them into the run folder, not the working directory
             local = {"dvclive": {"dir": os.path.join(args.output_dir, "dvclive"), "save_dvc_exp": False}}
             accelerator.init_trackers("deriv", config=config, init_kwargs=local)

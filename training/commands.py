@@ -10,17 +10,11 @@ from ..errors import require_extra
 from . import args as training_args
 
 
-def task_parser(command_parser: type) -> type:
-    """`HfArgumentParser` with the errors of the command's own parser class (deriv's one line)."""
-    from transformers import HfArgumentParser
-
-    return type("TaskParser", (command_parser, HfArgumentParser), {})
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`deriv train lm` and `deriv train translation`: each lists only the flags its task uses, grouped by
     concern (the dataclasses of `args.py`, turned into flags by `HfArgumentParser`)."""
-    sub = parser.add_subparsers(dest="task", required=True, parser_class=task_parser(type(parser)))
+    parser_class = training_args.line_parser_class(type(parser))  # with the command's one-line errors
+    sub = parser.add_subparsers(dest="task", required=True, parser_class=parser_class)
     add_task(
         sub,
         "lm",
@@ -55,31 +49,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_task(sub, name: str, kind: type, func, help: str, description: str) -> None:
-    """`deriv train NAME`: the flags of `kind`'s concerns, grouped, with --config and --cpu."""
+    """`deriv train NAME`: the flags of `kind`'s concerns, grouped, with --config and --cpu; the defaults its
+    `--help` shows are the task's default preset's."""
     task = sub.add_parser(
-        name, dataclass_types=kind.concerns, formatter_class=argparse.HelpFormatter, help=help, description=description
+        name,
+        dataclass_types=kind.concerns,
+        formatter_class=training_args.DefaultsHelpFormatter,
+        help=help,
+        description=description,
     )
-    training_args.finish_flags(task, kind)
-    task.set_defaults(func=func)
+    training_args.add_file_flags(task, kind)
+    task.set_defaults(func=func, kind=kind, parser_class=type(task))
+
+
+def settings(namespace: argparse.Namespace):
+    """The task's settings from its line, parsed again over its preset and --config file (`args.parse`)."""
+    return training_args.from_namespace(namespace, namespace.kind, namespace.parser_class)
 
 
 def run_lm(namespace: argparse.Namespace) -> int:
     from .lm import train_lm
 
-    return _run_training(train_lm, training_args.from_namespace(namespace), namespace.cpu)
+    return _run_training(train_lm, settings(namespace), namespace.cpu)
 
 
 def run_translation(namespace: argparse.Namespace) -> int:
     from .translation import train_translation
 
-    args = training_args.from_namespace(namespace, training_args.TranslationTrainingArguments)
-    return _run_training(train_translation, args, namespace.cpu)
+    return _run_training(train_translation, settings(namespace), namespace.cpu)
 
 
 def run_sft(namespace: argparse.Namespace) -> int:
     from .sft import train_sft
 
-    args = training_args.from_namespace(namespace, training_args.ChatTrainingArguments)
+    args = settings(namespace)
     if args.lora:
         require_extra("lora", "deriv train sft --lora")  # before the data is read and the model loaded
     default = training_args.CHAT_PRESETS[args.preset]["init_from"]
