@@ -21,8 +21,8 @@ OLDEST := constraints/oldest.txt
 STAMP := $(VENV)/.deriv-installed
 PIP := -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test test-oldest test-newest test-all lock train train-translation lint bench bench-seq2seq \
-	bench-tokenizer clean
+.PHONY: setup test test-oldest test-newest test-all lock train train-translation lint lint-imports bench \
+	bench-seq2seq bench-tokenizer clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,11 @@ train-translation: setup
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The import contracts in pyproject.toml ([tool.importlinter]), on a mirror of the installed layout (the test
+# builds it); its failure message is lint-imports' report.
+lint-imports: setup
+	$(PY) -m pytest -q tests/test_structure.py -k import_contracts
 
 bench: setup
 	$(VENV)/bin/deriv bench decoder $(BENCH_ARGS)
