@@ -110,14 +110,13 @@ class TranslationTask(Task):
         return TaskData(train, validation, None, order, None, "pairs", "target tokens", record)
 
     def build_model(self, tokenizer) -> DerivForConditionalGeneration:
-        a = self.args
         config = DerivSeq2SeqConfig(
             vocab_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=tokenizer.bos_token_id,
-            **a.model_overrides(),
+            **self.args.model_overrides(),
         )
         return DerivForConditionalGeneration(config)
 
