@@ -211,7 +211,7 @@ def test_sft_trains_and_exports_a_folder_that_chats(trained):
     run = json.loads((trained / "run.json").read_text())
     assert run["task"] == "chat-sft" and run["base_model"] == "numbers_lm"
     assert run["data"]["unit"] == "conversations" and not run["data"]["synthetic"]
-    metrics = run["metrics"]
+    metrics = {**run["metrics"], **run["metrics"]["task"]}  # the task's own scores beside the validation loss
     assert metrics["val_loss"] < metrics["base_val_loss"]  # four steps on the task it is scored on
     assert len(metrics["conversations"]) == 2
     assert {"messages", "before", "after"} <= set(metrics["conversations"][0])
@@ -299,9 +299,9 @@ def greedy_reply(model, tokenizer, text: str = "4 2") -> list[int]:
 
 def test_lora_trains_only_the_adapters_on_peft_s_default_targets(lora_runs):
     run = json.loads((lora_runs["merged"] / "run.json").read_text())
-    lora = run["procedure"]["lora"]
+    lora = run["procedure"]["task"]["lora"]
     assert lora["targets"] == ["q_proj", "v_proj"] and lora["r"] == 8 and lora["export"] == "merged"
-    assert run["metrics"]["val_loss"] < run["metrics"]["base_val_loss"]
+    assert run["metrics"]["val_loss"] < run["metrics"]["task"]["base_val_loss"]
     base = AutoModelForCausalLM.from_pretrained(NUMBERS_LM).state_dict()
     tuned = AutoModelForCausalLM.from_pretrained(lora_runs["merged"]).state_dict()
     changed = {name for name, weight in tuned.items() if not torch.equal(weight, base[name])}

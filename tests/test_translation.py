@@ -257,9 +257,10 @@ def test_trained_folder_records_bleu_against_the_copy_baseline(translation_run):
     record = json.loads((out / "run.json").read_text())
     assert record["task"] == "translation"
     assert record["data"]["skipped_empty"] == 2
-    assert record["data"]["unit"] == "pairs" and record["schema_version"] == 3
+    assert record["data"]["unit"] == "pairs" and record["schema_version"] == 4
     assert sum(record["data"][split] for split in ("train", "validation", "test")) == 6 * 5 * 12
-    metrics = record["metrics"]
+    metrics = record["metrics"]["task"]  # the task's own scores
+    assert record["procedure"]["task"] == {"label_smoothing": 0.0}
     assert metrics["test_pairs"] == record["data"]["test"] > 0
     assert "nrefs:1" in metrics["bleu_signature"]
     # a pattern this regular is learned in 300 steps; copying the English source scores far lower
