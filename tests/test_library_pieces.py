@@ -5,7 +5,10 @@ import json
 import math
 import os
 import re
+import signal
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,3 +197,57 @@ def test_code_files_are_the_ones_the_regex_listed(tmp_path, kind):
     listed = code_files(folder)
     assert listed == regex_code_files(folder)
     assert "configuration_deriv.py" in listed and "modeling_deriv.py" in listed
+
+
+# ---- the run lock: filelock (released by the operating system) in place of a pid/host JSON file ------------
+
+HOLD = "import sys, filelock; held = filelock.FileLock(sys.argv[1]); held.acquire(); print(flush=True); input()"
+
+
+def holder(lock_path):
+    """Another process that holds the lock until its stdin closes (or it is killed)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(lock_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    process.stdout.readline()
+    return process
+
+
+def test_a_folder_another_process_holds_is_refused_naming_it(tmp_path):
+    from deriv_lm.training.runlock import LOCK_FILE, acquire_run_lock
+
+    other = holder(tmp_path / LOCK_FILE)
+    try:
+        with pytest.raises(ValueError, match="is in use by another run") as refusal:
+            acquire_run_lock(str(tmp_path), say=lambda _: None)
+        assert str(tmp_path) in str(refusal.value)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_the_lock_of_a_killed_run_blocks_nobody_and_goes_on_release(tmp_path):
+    from deriv_lm.training.runlock import LOCK_FILE, acquire_run_lock, release_run_lock
+
+    other = holder(tmp_path / LOCK_FILE)
+    other.send_signal(signal.SIGKILL)
+    other.wait()
+    assert (tmp_path / LOCK_FILE).exists()  # left behind by the killed run
+    said = []
+    acquire_run_lock(str(tmp_path), say=said.append)
+    assert said == [f"taking over {tmp_path / LOCK_FILE}: the run that held it is gone"]
+    release_run_lock(str(tmp_path))
+    assert not (tmp_path / LOCK_FILE).exists()
+    acquire_run_lock(str(tmp_path), say=said.append)  # free again, and nothing to take over
+    release_run_lock(str(tmp_path))
+    assert len(said) == 1
+
+
+def test_a_folder_the_lock_created_goes_with_it_when_left_empty(tmp_path):
+    from deriv_lm.training.runlock import acquire_run_lock, release_run_lock
+
+    folder = tmp_path / "run"
+    acquire_run_lock(str(folder))
+    assert folder.is_dir()
+    release_run_lock(str(folder))
+    assert not folder.exists()

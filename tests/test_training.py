@@ -489,12 +489,14 @@ def test_a_second_run_into_a_folder_in_use_stops_at_once(tmp_path, corpus_file):
 
     args = tiny_args(tmp_path, corpus_file, max_steps=2, save_every=2)
     os.makedirs(args.output_dir)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a live run elsewhere
+    holds = "import sys, time, filelock; held=filelock.FileLock(sys.argv[1]); held.acquire(); print(); time.sleep(60)"
+    lock = os.path.join(args.output_dir, LOCK_FILE)
+    other = subprocess.Popen([sys.executable, "-u", "-c", holds, lock], stdout=subprocess.PIPE)  # a live run elsewhere
     try:
-        with open(os.path.join(args.output_dir, LOCK_FILE), "w") as f:
-            json.dump({"pid": other.pid, "host": __import__("socket").gethostname()}, f)
-        with pytest.raises(ValueError, match=f"in use by another run \\(pid {other.pid}\\)"):
+        other.stdout.readline()  # it holds the lock
+        with pytest.raises(ValueError, match="is in use by another run") as refusal:
             train_lm(args, cpu=True)
+        assert args.output_dir in str(refusal.value)  # the message names the folder
         assert os.listdir(args.output_dir) == [LOCK_FILE]  # stopped before any work
     finally:
         other.kill()

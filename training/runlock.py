@@ -1,56 +1,50 @@
-"""One run per output folder: a lock file holding the process id and host of the run that writes there.
+"""One run per output folder: an operating-system lock (filelock) on `OUTPUT_DIR/.deriv-run.lock`.
 
 Two runs into one `--output-dir` would interleave checkpoints and metrics. The main process takes the lock
-before any work; a second run stops at once, naming the first. A lock whose process is gone (killed, the
-machine rebooted) is taken over. The file is removed when the task's train function returns
-(`releases_run_lock`), or at the latest when the process exits.
+before any work; a second run stops at once, naming the folder. The operating system releases the lock when its
+process ends, however it ends (killed, the machine rebooted), so a lock file a dead run left blocks nobody. The
+file is removed when the task's train function returns (`releases_run_lock`), or at the latest when the process
+exits.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import json
 import os
-import socket
 
-from ..folder.atomic import process_alive
+from filelock import FileLock, Timeout
+
+from ..errors import UsageError
 
 
 LOCK_FILE = ".deriv-run.lock"
+_held: dict[str, FileLock] = {}  # output folder -> the lock this process holds on it
 _created: set[str] = set()  # output folders this process made when it took their lock
 
 
 def acquire_run_lock(output_dir: str, say=print) -> str:
-    """Take the lock of `output_dir` for this process; raise ValueError if a live run holds it."""
+    """Take the lock of `output_dir` for this process; raise UsageError (a ValueError) if a live run holds it."""
+    folder = os.path.abspath(output_dir)
+    path = os.path.join(output_dir, LOCK_FILE)
+    if folder in _held:
+        return path
     if not os.path.isdir(output_dir):
         os.makedirs(output_dir)
-        _created.add(os.path.abspath(output_dir))
-    path = os.path.join(output_dir, LOCK_FILE)
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
+        _created.add(folder)
+    left_behind = os.path.exists(path)
+    # subtle: thread_local=False, so that the thread that releases (atexit, a wrapper) need not be the one that took it
+    lock = FileLock(path, timeout=0, thread_local=False)
     try:
-        with open(path, encoding="utf-8") as f:
-            holder = json.load(f)
-    except FileNotFoundError:
-        holder = None
-    except (OSError, ValueError):
-        holder = {}  # torn by a kill while it was written: nobody holds it
-    if holder and holder.get("pid") != me["pid"]:
-        pid, host = holder.get("pid"), holder.get("host")
-        if host != me["host"]:
-            raise ValueError(
-                f"{output_dir} is in use by a run on {host} (pid {pid}); if that run is gone, delete {path}"
-            )
-        if isinstance(pid, int) and process_alive(pid):
-            raise ValueError(
-                f"{output_dir} is in use by another run (pid {pid}); wait for it to finish, or use another "
-                "--output-dir"
-            )
-        say(f"taking over {path}: the run that held it (pid {pid}) is gone")
-    tmp = f"{path}.{me['pid']}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(me, f)
-    os.replace(tmp, path)
+        lock.acquire()
+    except Timeout:
+        raise UsageError(
+            f"{output_dir} is in use by another run (it holds {path}); wait for it to finish, or use another "
+            "--output-dir"
+        ) from None
+    if left_behind:
+        say(f"taking over {path}: the run that held it is gone")
+    _held[folder] = lock
     atexit.register(release_run_lock, output_dir)
     return path
 
@@ -72,17 +66,26 @@ def releases_run_lock(train):
 def release_run_lock(output_dir: str) -> None:
     """Remove this process's lock; and the folder too if taking the lock created it and the run left it empty
     (a run refused before any work leaves nothing behind)."""
-    path = os.path.join(output_dir, LOCK_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            if json.load(f).get("pid") == os.getpid():
-                os.remove(path)
-    except (OSError, ValueError):
-        pass
     folder = os.path.abspath(output_dir)
+    lock = _held.pop(folder, None)
+    if lock is not None:
+        # subtle: removed while still held, so that no other run locks the file in the instant before it goes;
+        # Windows refuses to remove an open file, and there it goes after the release
+        removed = _remove(lock.lock_file)
+        lock.release(force=True)
+        if not removed:
+            _remove(lock.lock_file)
     if folder in _created:
         _created.discard(folder)
         try:
             os.rmdir(folder)  # only if empty
         except OSError:
             pass
+
+
+def _remove(path: str) -> bool:
+    try:
+        os.remove(path)
+    except OSError:
+        return False
+    return True
