@@ -36,6 +36,7 @@ def run(args, task, cpu: bool = False, callbacks=None) -> str:
     trainer = Trainer(args, cpu=cpu, callbacks=callbacks)  # callbacks: after the built-in ones (callbacks.py)
     accelerator = trainer.accelerator
     task.say = accelerator.print
+    accelerator.print(args.describe())  # the resolved settings, by concern (the main process's)
     source = task.read()
     tokenizer = load_or_train_tokenizer(args, source.tokenizer_texts, accelerator)
     with accelerator.main_process_first():
