@@ -1,15 +1,34 @@
 """Ranges and types of arguments, checked once, whichever way the values come: flags, config files, Python."""
 
 import argparse
+import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
+import typing
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from deriv_lm import DerivConfig, DerivSeq2SeqConfig
 from deriv_lm.arguments import check_range, integer, number
+from deriv_lm.errors import UsageError
 from deriv_lm.training import TrainingArguments
-from deriv_lm.training.args import load_config_file
+from deriv_lm.training.args import (
+    CHAT_PRESETS,
+    PRESETS,
+    PRESETS_OF,
+    TRANSLATION_PRESETS,
+    ChatTrainingArguments,
+    TranslationTrainingArguments,
+    load_config_file,
+    parse,
+    preset_path,
+    write_config,
+)
 
 
 @given(st.integers(-1000, 1000))
@@ -82,3 +101,114 @@ def test_a_config_file_value_of_the_wrong_type_is_named(tmp_path, text, message)
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config_file(str(path))
+
+
+# ---- settings by concern ----------------------------------------------------------------------------------
+
+
+def test_each_field_is_read_and_written_in_the_one_concern_that_owns_it():
+    args = TrainingArguments(max_steps=100, vocab_size=300)
+    assert args.max_steps == args.parts["optimisation"].max_steps == 100
+    args.vocab_size = 512  # as the driver sets it once the tokenizer is known
+    assert args.parts["tokenizer"].vocab_size == 512 and args.by_concern()["tokenizer"]["vocab_size"] == 512
+    assert list(args.by_concern()) == ["run", "data", "tokenizer", "model", "optimisation", "language_model"]
+    with pytest.raises(AttributeError, match="no training argument `max_stepz`"):
+        args.max_stepz = 3
+
+
+@pytest.mark.parametrize("kind", [TrainingArguments, TranslationTrainingArguments, ChatTrainingArguments])
+def test_an_unknown_keyword_is_refused_by_name(kind):
+    with pytest.raises(UsageError, match=r"unknown training arguments \['context_length'\]"):
+        kind(context_length=64)  # the old name of max_position_embeddings
+
+
+def test_two_concerns_may_not_own_one_name():
+    @dataclasses.dataclass
+    class Other:
+        concern: typing.ClassVar[str] = "other"
+        max_steps: int = 1
+
+    with pytest.raises(TypeError, match="`max_steps` is in both optimisation and other"):
+        type("Clash", (TrainingArguments,), {"concerns": (*TrainingArguments.concerns, Other)})
+
+
+def test_a_task_builds_its_config_from_the_model_concern_as_it_is():
+    lm = TrainingArguments(hidden_size=64, num_attention_heads=2, max_position_embeddings=32)
+    config = DerivConfig(vocab_size=300, **lm.model_overrides())
+    assert (config.hidden_size, config.num_attention_heads, config.max_position_embeddings) == (64, 2, 32)
+    mt = TranslationTrainingArguments(encoder_layers=2, decoder_layers=1, decoder_attention_heads=2)
+    config = DerivSeq2SeqConfig(vocab_size=300, **mt.model_overrides())
+    assert (config.encoder_layers, config.decoder_layers, config.decoder_attention_heads) == (2, 1, 2)
+    chat = ChatTrainingArguments(init_from="runs/x", max_position_embeddings=256)
+    assert chat.model_overrides() == {"max_position_embeddings": 256, "dropout": 0.1}  # the folder has the shape
+
+
+# ---- precedence, --config, presets ------------------------------------------------------------------------
+
+
+def test_flags_over_config_file_over_preset_over_defaults(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("preset: small\nmax_steps: 77\nlearning_rate: 0.0005\n")
+    args, rest = parse(["--config", str(config), "--learning-rate", "0.002", "--cpu"])
+    assert args.seed == 1234  # the dataclass default: no layer names it
+    assert args.hidden_size == 384 and args.preset == "small"  # the preset the file names
+    assert args.max_steps == 77  # the file, over the preset's 5000
+    assert args.learning_rate == 0.002  # the flag, over the file and the preset
+    assert rest.cpu is True
+    flagged, _ = parse(["--preset", "gpt2-124m", "--config", str(config)])
+    assert flagged.preset == "gpt2-124m" and flagged.hidden_size == 768  # a --preset flag over the file's
+
+
+def test_context_length_is_an_alias_of_max_position_embeddings():
+    for flag in ("--context-length", "--max-position-embeddings"):
+        assert parse([flag, "64"])[0].max_position_embeddings == 64
+
+
+def test_a_config_file_round_trips(tmp_path):
+    args = TranslationTrainingArguments(
+        files=["a.tsv", "b.tsv"], encoder_layers=2, label_smoothing=0.2, learning_rate=3e-4, pre_norm=True
+    )
+    path = tmp_path / "run.yaml"
+    write_config(args, str(path))
+    assert parse(["--config", str(path)], TranslationTrainingArguments)[0] == args
+
+
+@pytest.mark.parametrize("kind", [TrainingArguments, TranslationTrainingArguments, ChatTrainingArguments])
+def test_a_preset_file_is_a_config_file(kind):
+    for name in PRESETS_OF[kind]:
+        by_name = parse(["--preset", name], kind)[0]
+        by_file = parse(["--config", preset_path(kind, name)], kind)[0]
+        assert by_file.preset == "tiny"  # a file that names no preset is read over the default one
+        by_file.preset = name
+        assert by_file == by_name and by_name.preset == name
+
+
+FROZEN = "/tmp/basepkg"  # the package before the arguments were split by concern (its presets were dicts)
+
+
+@pytest.mark.skipif(not os.path.isdir(FROZEN), reason="needs the frozen pre-refactor package in /tmp/basepkg")
+def test_the_preset_files_hold_the_old_presets_values(tmp_path):
+    script = (
+        "import json; from deriv_lm.training.args import PRESETS, TRANSLATION_PRESETS, CHAT_PRESETS; "
+        "print(json.dumps([PRESETS, TRANSLATION_PRESETS, CHAT_PRESETS]))"
+    )
+    env = {**os.environ, "PYTHONPATH": FROZEN}
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True)
+    old_lm, old_mt, old_chat = json.loads(out.stdout)
+
+    def renamed(values: dict, per_side: bool) -> dict:
+        """The old names as the config's: context_length, and translation's layers and heads for both sides."""
+        new = {}
+        for name, value in values.items():
+            if name == "context_length":
+                new["max_position_embeddings"] = value
+            elif per_side and name in ("num_hidden_layers", "num_attention_heads"):
+                part = "layers" if name == "num_hidden_layers" else "attention_heads"
+                new[f"encoder_{part}"] = new[f"decoder_{part}"] = value
+            else:
+                new[name] = value
+        return new
+
+    assert PRESETS == {name: renamed(v, False) for name, v in old_lm.items()}
+    assert TRANSLATION_PRESETS == {name: renamed(v, True) for name, v in old_mt.items()}
+    assert CHAT_PRESETS == old_chat

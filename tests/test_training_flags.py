@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -284,3 +285,56 @@ def test_the_new_flags_are_checked_by_name():
         TrainingArguments(early_stopping_threshold=-0.1)
     with pytest.raises(ValueError, match="`export` must be one of last, best"):
         TrainingArguments(export="first")
+
+
+# ---- each task's --help: its own flags, and the defaults that apply -----------------------------------------
+
+
+def help_text(task: str, capsys, monkeypatch) -> str:
+    """`deriv train TASK --help`'s option list, on one line (wide enough that argparse does not wrap a value)."""
+    monkeypatch.setenv("COLUMNS", "10000")
+    with pytest.raises(SystemExit) as stop:
+        main(["train", task, "--help"])
+    assert stop.value.code == 0
+    return " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
+
+
+def default_in(text: str, flag: str) -> str:
+    """The `(default: ...)` of `flag`'s entry (named by its flag and metavar, as only its own entry is)."""
+    metavar = flag.lstrip("-").replace("-", "_").upper()
+    found = re.search(re.escape(f"{flag} {metavar}") + r"\b.*?\(default: ([^)]*)\)", text)
+    assert found, flag
+    return found.group(1)
+
+
+@pytest.mark.parametrize(
+    "task, defaults",
+    [
+        ("lm", {"--output-dir": "runs/deriv-tiny", "--max-steps": "600", "--learning-rate": "0.001"}),
+        ("translation", {"--output-dir": "runs/deriv-translate-tiny", "--max-steps": "1200", "--encoder-layers": "3"}),
+        ("sft", {"--output-dir": "runs/deriv-tiny-chat", "--max-steps": "300", "--learning-rate": "0.0003"}),
+    ],
+)
+def test_each_tasks_help_shows_the_defaults_of_its_own_preset(task, defaults, capsys, monkeypatch):
+    text = help_text(task, capsys, monkeypatch)
+    for flag, value in defaults.items():
+        assert default_in(text, flag) == value
+    expected_context = {"lm": "128", "translation": "64", "sft": "128"}[task]
+    assert default_in(text, "--max-position-embeddings") == expected_context
+    assert "--context-length" in text  # the alias the README's commands use
+
+
+@pytest.mark.parametrize(
+    "task, has, lacks",
+    [
+        ("lm", ["--num-hidden-layers", "--hidden-size"], ["--encoder-layers", "--decoder-layers", "--lora"]),
+        ("translation", ["--encoder-layers", "--decoder-attention-heads"], ["--num-hidden-layers", "--streaming"]),
+        ("sft", ["--init-from", "--dropout"], ["--hidden-size", "--num-hidden-layers", "--encoder-layers"]),
+    ],
+)
+def test_each_tasks_help_lists_only_its_flags(task, has, lacks, capsys, monkeypatch):
+    text = help_text(task, capsys, monkeypatch)
+    for flag in has:
+        assert f"{flag} " in text
+    for flag in lacks:
+        assert f"{flag} " not in text
