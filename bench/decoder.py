@@ -21,6 +21,7 @@ import time
 import torch
 
 from ..arguments import integer
+from ..errors import refused_as_usage
 from .report import check_json_path, entry_point, side_by_side
 
 
@@ -74,33 +75,35 @@ def build(kind: str, args) -> torch.nn.Module:
     elif kind == "deriv":
         from ..modeling_deriv import DerivConfig, DerivForCausalLM
 
-        config = DerivConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            intermediate_size=4 * args.hidden,
-            max_position_embeddings=args.context,
-            hidden_act=args.hidden_act,
-            pre_norm=args.pre_norm,
-            dropout=0.0,
-            attention_dropout=0.0,
-        )
+        with refused_as_usage(f"--hidden {args.hidden} --heads {args.heads}"):
+            config = DerivConfig(
+                vocab_size=args.vocab,
+                hidden_size=args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                intermediate_size=4 * args.hidden,
+                max_position_embeddings=args.context,
+                hidden_act=args.hidden_act,
+                pre_norm=args.pre_norm,
+                dropout=0.0,
+                attention_dropout=0.0,
+            )
         model = DerivForCausalLM(config)
     else:
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(
-            vocab_size=args.vocab,
-            n_embd=args.hidden,
-            n_layer=args.layers,
-            n_head=args.heads,
-            n_inner=4 * args.hidden,
-            n_positions=args.context,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
+        with refused_as_usage(f"--hidden {args.hidden} --heads {args.heads}"):
+            config = GPT2Config(
+                vocab_size=args.vocab,
+                n_embd=args.hidden,
+                n_layer=args.layers,
+                n_head=args.heads,
+                n_inner=4 * args.hidden,
+                n_positions=args.context,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
         model = GPT2LMHeadModel(config)
     model.set_attn_implementation("sdpa")
     return model

@@ -37,6 +37,7 @@ import time
 import torch
 
 from ..arguments import integer
+from ..errors import UsageError
 from ..modeling_deriv.modeling_deriv import CACHE_NAME
 from .decoder import add_shape_arguments
 from .report import check_json_path, entry_point, markdown_table, side_by_side, write_rows_json
@@ -213,9 +214,9 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if max(args.kv_positions) > args.context:
-        raise ValueError(f"--kv-positions {max(args.kv_positions)}: the models' context is {args.context}")
+        raise UsageError(f"--kv-positions {max(args.kv_positions)}: the models' context is {args.context}")
     if args.prompt + args.new_tokens > args.context:
-        raise ValueError(f"--prompt + --new-tokens = {args.prompt + args.new_tokens}: past --context {args.context}")
+        raise UsageError(f"--prompt + --new-tokens = {args.prompt + args.new_tokens}: past --context {args.context}")
     models = build_models(args)
     gen = torch.Generator().manual_seed(0)
     rows, decode, floor_rows = [], {}, []  # decode[(path, batch)] = {kind: tokens/s}

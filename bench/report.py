@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from ..errors import MissingFile
+
 
 def side_by_side(title: str, notes: list[str], rows: list[tuple], peer: str, peer_key: str, json_path=None) -> None:
     """Print `rows` of (metric, deriv, peer, unit) as a Markdown table with the ratio; optionally as JSON too."""
@@ -48,7 +50,7 @@ def markdown_table(headers: list[str], rows: list[list], digits: int = 1) -> Non
 def check_json_path(path: str | None) -> None:
     """Refuse an output path whose folder does not exist before minutes of measuring, not after."""
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise FileNotFoundError(f"--json {path}: the folder {os.path.dirname(path) or '.'} does not exist")
+        raise MissingFile(f"--json {path}: the folder {os.path.dirname(path) or '.'} does not exist")
 
 
 def entry_point(doc: str, add_arguments, run):

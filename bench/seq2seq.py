@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..arguments import integer
+from ..errors import refused_as_usage
 from .decoder import peak_tensor_mib
 from .report import check_json_path, entry_point, side_by_side
 
@@ -72,20 +73,24 @@ def build(kind: str, args) -> torch.nn.Module:
     elif kind == "deriv":
         from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 
-        config = DerivSeq2SeqConfig(**shape, hidden_size=args.hidden, intermediate_size=args.ffn, hidden_act="relu")
+        with refused_as_usage(f"--hidden {args.hidden} --heads {args.heads} --ffn {args.ffn}"):
+            config = DerivSeq2SeqConfig(
+                **shape, hidden_size=args.hidden, intermediate_size=args.ffn, hidden_act="relu"
+            )
         model = DerivForConditionalGeneration(config)
     else:
         from transformers import MarianConfig, MarianMTModel
 
-        config = MarianConfig(
-            **shape,
-            d_model=args.hidden,
-            encoder_ffn_dim=args.ffn,
-            decoder_ffn_dim=args.ffn,
-            activation_function="relu",
-            activation_dropout=0.0,
-            scale_embedding=True,
-        )
+        with refused_as_usage(f"--hidden {args.hidden} --heads {args.heads} --ffn {args.ffn}"):
+            config = MarianConfig(
+                **shape,
+                d_model=args.hidden,
+                encoder_ffn_dim=args.ffn,
+                decoder_ffn_dim=args.ffn,
+                activation_function="relu",
+                activation_dropout=0.0,
+                scale_embedding=True,
+            )
         model = MarianMTModel(config)
     model.set_attn_implementation("sdpa")
     return model

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..errors import MissingFile, UsageError
 from ..folder.atomic import atomic_directory
 from ..folder.load import load_weights, read_folder
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
@@ -40,7 +41,7 @@ def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
-        raise FileNotFoundError(f"{source} has no tokenizer that transformers can load: {error}") from error
+        raise MissingFile(f"{source} has no tokenizer that transformers can load: {error}") from error
     if padding_side:
         tokenizer.padding_side = padding_side
     tokenizer.save_pretrained(target_dir)
@@ -94,7 +95,7 @@ def native_gpt2(folder: str | os.PathLike):
     if kind == "gpt2":
         return load_weights(GPT2LMHeadModel, folder).eval()
     if kind != "deriv":
-        raise ValueError(f"{folder} is a {kind!r} model, not a decoder with a GPT-2 twin (deriv or gpt2).")
+        raise UsageError(f"{folder} is a {kind!r} model, not a decoder with a GPT-2 twin (deriv or gpt2).")
     model = load_weights(DerivForCausalLM, folder)
     config = gpt2.gpt2_config(model.config)  # says which switches differ, where there is no twin
     native = GPT2LMHeadModel(config)
@@ -140,7 +141,7 @@ def export_marian(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     _refuse_existing(out)
     kind = model_type(folder)
     if kind != "deriv_seq2seq":
-        raise ValueError(f"{folder} is a {kind!r} model, not an encoder-decoder with a Marian twin (deriv_seq2seq).")
+        raise UsageError(f"{folder} is a {kind!r} model, not an encoder-decoder with a Marian twin (deriv_seq2seq).")
     model = load_weights(DerivForConditionalGeneration, folder).eval()
     native = MarianMTModel(marian.marian_config(model.config)).eval()
     _load_exact(native, marian.to_marian(model.state_dict(), model.config), _MARIAN_TABLES)
@@ -170,7 +171,5 @@ def import_model(source: str, out: str | os.PathLike) -> str:
     """Import whatever `source`'s config.json names, if Deriv knows that architecture."""
     kind = model_type(source)
     if kind not in IMPORTERS:
-        raise ValueError(f"{source} is a {kind!r} model; deriv import reads {sorted(IMPORTERS)}.")
+        raise UsageError(f"{source} is a {kind!r} model; deriv import reads {sorted(IMPORTERS)}.")
     return IMPORTERS[kind](source, out)
-
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
 from ..modeling_deriv import DerivConfig
 
 
@@ -49,7 +50,7 @@ def deriv_config(gpt2) -> DerivConfig:
     }
     for name, (value, needed) in unsupported.items():
         if bool(value) != needed:
-            raise ValueError(f"This GPT-2 checkpoint has {name}={value!r}; Deriv can import only {name}={needed}.")
+            raise UsageError(f"This GPT-2 checkpoint has {name}={value!r}; Deriv can import only {name}={needed}.")
     return DerivConfig(
         vocab_size=gpt2.vocab_size,
         hidden_size=gpt2.n_embd,
@@ -79,7 +80,7 @@ def gpt2_config(config: DerivConfig):
     wrong = [f"{k}={getattr(config, k)!r} (GPT-2: {v!r})" for k, v in needed.items() if getattr(config, k) != v]
     if wrong or not config.tie_word_embeddings:
         wrong += [] if config.tie_word_embeddings else ["tie_word_embeddings=False (GPT-2: True)"]
-        raise ValueError(
+        raise UsageError(
             "This Deriv model has no GPT-2 twin: " + ", ".join(wrong) + ". The paper's default decoder (post-LN, "
             "sinusoid, scaled embedding) is not an architecture GPT2LMHeadModel can run; see docs/convert.md."
         )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
 from ..modeling_deriv import DerivSeq2SeqConfig
 
 
@@ -44,7 +45,7 @@ def marian_name(deriv: str) -> str:
 def hidden_order(d: int) -> torch.Tensor:
     """order[k] = the Marian dimension that becomes Deriv's dimension k (2i <- i, 2i+1 <- d/2 + i)."""
     if d % 2:
-        raise ValueError(f"d_model {d} is odd; the sinusoid's two layouts pair dimensions, so d must be even.")
+        raise UsageError(f"d_model {d} is odd; the sinusoid's two layouts pair dimensions, so d must be even.")
     half = torch.arange(d // 2)
     return torch.stack([half, half + d // 2], dim=1).flatten()
 
@@ -52,14 +53,14 @@ def hidden_order(d: int) -> torch.Tensor:
 def deriv_config(marian) -> DerivSeq2SeqConfig:
     """The `DerivSeq2SeqConfig` of the same network as a `MarianConfig`; refuses what Deriv cannot express."""
     if not marian.tie_word_embeddings:
-        raise ValueError(
+        raise UsageError(
             "This Marian checkpoint's output projection is a matrix of its own (tie_word_embeddings=False); "
             "Deriv ties it to the target embedding (§3.4)."
         )
     if marian.encoder_ffn_dim != marian.decoder_ffn_dim:
-        raise ValueError(f"encoder_ffn_dim {marian.encoder_ffn_dim} != decoder_ffn_dim {marian.decoder_ffn_dim}.")
+        raise UsageError(f"encoder_ffn_dim {marian.encoder_ffn_dim} != decoder_ffn_dim {marian.decoder_ffn_dim}.")
     if marian.activation_function not in ACTIVATIONS:
-        raise ValueError(f"Marian activation {marian.activation_function!r}: Deriv has {sorted(ACTIVATIONS)}.")
+        raise UsageError(f"Marian activation {marian.activation_function!r}: Deriv has {sorted(ACTIVATIONS)}.")
     hidden_order(marian.d_model)
     return DerivSeq2SeqConfig(
         vocab_size=marian.vocab_size,
@@ -96,7 +97,7 @@ def marian_config(config: DerivSeq2SeqConfig):
         if getattr(config, k) != v
     ]
     if wrong:
-        raise ValueError(f"This Deriv model has no Marian twin: {', '.join(wrong)} (Marian: post-LN, sinusoid).")
+        raise UsageError(f"This Deriv model has no Marian twin: {', '.join(wrong)} (Marian: post-LN, sinusoid).")
     hidden_order(config.hidden_size)
     return MarianConfig(
         vocab_size=config.vocab_size,

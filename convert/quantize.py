@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from ..errors import UsageError
 from ..folder.atomic import atomic_directory
 from ..folder.load import check_model_type, load_weights, read_folder
 from .folders import _refuse_existing
@@ -50,7 +51,7 @@ def _torchao_config(scheme: str):
         return Int8DynamicActivationInt8WeightConfig(version=2, set_inductor_config=False)
     if scheme == "weight-only":
         return Int8WeightOnlyConfig(version=2, set_inductor_config=False)
-    raise ValueError(f"--scheme {scheme!r}: deriv quantize knows {list(SCHEMES)}.")
+    raise UsageError(f"--scheme {scheme!r}: deriv quantize knows {list(SCHEMES)}.")
 
 
 def quantize_model(folder: str | os.PathLike, scheme: str = "weight-only"):
@@ -61,7 +62,7 @@ def quantize_model(folder: str | os.PathLike, scheme: str = "weight-only"):
     check_model_type(folder, info.config.get("model_type"), consent=None)  # Deriv's, which need no remote code
     if info.config.get("quantization_config"):
         method = info.config["quantization_config"].get("quant_method", "unknown")
-        raise ValueError(f"{folder} is already quantized ({method}); quantize its float source instead.")
+        raise UsageError(f"{folder} is already quantized ({method}); quantize its float source instead.")
     quantization = TorchAoConfig(_torchao_config(scheme))
     auto = AutoModelForSeq2SeqLM if info.is_seq2seq else AutoModelForCausalLM
     # safetensors only, every tensor present and of its shape, as every load path

@@ -21,6 +21,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..errors import MissingFile, MissingKey, UsageError
 from .corpus import _SKIPPED_DIRS, load_hub_dataset
 
 
@@ -46,19 +47,19 @@ class Conversations:
 def check_messages(messages, where: str) -> tuple[dict, ...]:
     """`messages` as a tuple of {"role", "content"} dicts; ValueError naming `where` and the fault otherwise."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"{where}: `messages` must be a non-empty list of messages, got {messages!r:.80}")
+        raise UsageError(f"{where}: `messages` must be a non-empty list of messages, got {messages!r:.80}")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"{where}: message {i} must be an object with `role` and `content`, got {message!r:.80}")
+            raise UsageError(f"{where}: message {i} must be an object with `role` and `content`, got {message!r:.80}")
         role, content = message["role"], message["content"]
         if role not in ROLES:
-            raise ValueError(f"{where}: message {i} has role {role!r}; use one of {', '.join(ROLES)}")
+            raise UsageError(f"{where}: message {i} has role {role!r}; use one of {', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise ValueError(f"{where}: message {i} ({role}) has content {content!r:.80}; it must be text")
+            raise UsageError(f"{where}: message {i} ({role}) has content {content!r:.80}; it must be text")
         checked.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" and m["content"].strip() for m in checked):
-        raise ValueError(f"{where}: no assistant message with text, so nothing to learn from it")
+        raise UsageError(f"{where}: no assistant message with text, so nothing to learn from it")
     return tuple(checked)
 
 
@@ -72,13 +73,13 @@ def _jsonl_rows(path: str, column: str) -> Iterator[tuple[dict, ...]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
+                    raise UsageError(f"{where}: not valid JSON ({error.msg})") from error
                 if not isinstance(row, dict) or column not in row:
                     keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                    raise KeyError(f"{where}: no {column!r} field (found {keys}); pass --messages-column")
+                    raise MissingKey(f"{where}: no {column!r} field (found {keys}); pass --messages-column")
                 yield check_messages(row[column], where)
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not valid UTF-8 at byte {error.start}; convert the file to UTF-8") from error
+        raise UsageError(f"{path}: not valid UTF-8 at byte {error.start}; convert the file to UTF-8") from error
 
 
 def local_conversations(paths: list[str], column: str = "messages") -> Conversations:
@@ -88,13 +89,13 @@ def local_conversations(paths: list[str], column: str = "messages") -> Conversat
         if os.path.isdir(path):
             files += sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names if f.endswith(".jsonl"))
         elif not os.path.exists(path):
-            raise FileNotFoundError(f"No such file or folder: {path}")
+            raise MissingFile(f"No such file or folder: {path}")
         elif not path.endswith(".jsonl"):
-            raise ValueError(f"{path}: conversations are read from .jsonl files (one `{column}` list per line)")
+            raise UsageError(f"{path}: conversations are read from .jsonl files (one `{column}` list per line)")
         else:
             files.append(path)
     if not files:
-        raise FileNotFoundError(f"No .jsonl files in {', '.join(paths)}")
+        raise MissingFile(f"No .jsonl files in {', '.join(paths)}")
     rows = tuple(row for path in files for row in _jsonl_rows(path, column))
     return Conversations(f"local: {len(files)} file(s) from {paths}", rows)
 
@@ -103,7 +104,7 @@ def hub_conversations(name: str, config: str | None, split: str, column: str = "
     """The `column` of a `datasets` dataset (a local folder, or a name on the Hub)."""
     dataset = load_hub_dataset(name, config, split)
     if column not in dataset.column_names:
-        raise KeyError(f"Dataset {name!r} has no column {column!r}; the columns are {dataset.column_names}")
+        raise MissingKey(f"Dataset {name!r} has no column {column!r}; the columns are {dataset.column_names}")
     rows = tuple(check_messages(m, f"{name} [{split}] row {i}") for i, m in enumerate(dataset[column]))
     return Conversations(f"datasets: {name}{'/' + config if config else ''} [{split}] column {column!r}", rows)
 

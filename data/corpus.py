@@ -16,6 +16,8 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ..errors import MissingFile, MissingKey, UsageError
+
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
 
@@ -116,13 +118,13 @@ def _expand(paths: str | list[str]) -> list[str]:
         elif os.path.exists(entry):
             files.append(entry)
         else:
-            raise FileNotFoundError(f"No such file or folder: {entry}")
+            raise MissingFile(f"No such file or folder: {entry}")
     files = sorted(set(files))
     if not files:
-        raise FileNotFoundError(f"No {'/'.join(LOCAL_SUFFIXES)} files found in {', '.join(paths)}")
+        raise MissingFile(f"No {'/'.join(LOCAL_SUFFIXES)} files found in {', '.join(paths)}")
     for path in files:
         if not path.endswith(LOCAL_SUFFIXES):
-            raise ValueError(f"{path}: unsupported file type; use one of {', '.join(LOCAL_SUFFIXES)}")
+            raise UsageError(f"{path}: unsupported file type; use one of {', '.join(LOCAL_SUFFIXES)}")
     return files
 
 
@@ -132,7 +134,7 @@ def _read_text_file(path: str) -> Iterator[str]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as error:
-        raise ValueError(
+        raise UsageError(
             f"{path}: not valid UTF-8 at byte {error.start} ({error.reason}); convert the file to UTF-8"
         ) from error
     except OSError as error:
@@ -150,12 +152,12 @@ def _table_column(path: str, column: str, streaming: bool = False) -> Iterator[s
     try:
         table = datasets.load_dataset(builder, data_files=path, split="train", streaming=streaming)
     except Exception as error:  # datasets raises many kinds; the file name is what the user needs
-        raise ValueError(f"{path}: cannot be read as {builder} ({error})") from error
+        raise UsageError(f"{path}: cannot be read as {builder} ({error})") from error
     if streaming:
         yield from _streamed_column(table, path, column)
         return
     if column not in table.column_names:
-        raise KeyError(f"{path}: no column {column!r}; the columns are {table.column_names}")
+        raise MissingKey(f"{path}: no column {column!r}; the columns are {table.column_names}")
     for value in table[column]:
         if isinstance(value, str) and value:
             yield value
@@ -166,14 +168,14 @@ def _streamed_column(table, path: str, column: str) -> Iterator[str]:
     try:
         for row in table:
             if column not in row:
-                raise KeyError(f"{path}: no column {column!r}; the columns are {sorted(row)}")
+                raise MissingKey(f"{path}: no column {column!r}; the columns are {sorted(row)}")
             value = row[column]
             if isinstance(value, str) and value:
                 yield value
     except KeyError:
         raise
     except Exception as error:  # a malformed line surfaces while reading, not while opening
-        raise ValueError(f"{path}: cannot be read ({' '.join(str(error).split())})") from error
+        raise UsageError(f"{path}: cannot be read ({' '.join(str(error).split())})") from error
 
 
 def local_corpus(paths: str | list[str], text_column: str = "text", streaming: bool = False) -> Corpus:
@@ -203,10 +205,10 @@ def load_saved_dataset(folder: str, split: str, streaming: bool = False):
     try:
         dataset = datasets.load_from_disk(folder)
     except Exception as error:  # a torn or foreign folder: name it
-        raise ValueError(f"{folder}: cannot be read with datasets.load_from_disk ({error})") from error
+        raise UsageError(f"{folder}: cannot be read with datasets.load_from_disk ({error})") from error
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
-            raise KeyError(f"{folder} has no split {split!r}; its splits are {sorted(dataset)}")
+            raise MissingKey(f"{folder} has no split {split!r}; its splits are {sorted(dataset)}")
         dataset = dataset[split]
     return dataset.to_iterable_dataset() if streaming else dataset
 
@@ -219,12 +221,12 @@ def load_hub_dataset(name: str, config: str | None, split: str, streaming: bool 
     if os.path.isdir(name) and _is_saved_dataset(name):
         return load_saved_dataset(name, split, streaming)
     if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)):
-        raise FileNotFoundError(f"No such dataset folder: {name}")
+        raise MissingFile(f"No such dataset folder: {name}")
     if os.path.isdir(name):
         try:
             return datasets.load_dataset(name, config, split=split, streaming=streaming)
         except Exception as error:
-            raise ValueError(f"{name}: datasets cannot read this folder ({' '.join(str(error).split())})") from error
+            raise UsageError(f"{name}: datasets cannot read this folder ({' '.join(str(error).split())})") from error
     try:
         return datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as error:
@@ -249,7 +251,7 @@ def hub_corpus(
     dataset = load_hub_dataset(name, config, split, streaming)
     columns = list(dataset.column_names or [])
     if columns and text_column not in columns:
-        raise KeyError(f"Dataset {name!r} has no column {text_column!r}; the columns are {columns}")
+        raise MissingKey(f"Dataset {name!r} has no column {text_column!r}; the columns are {columns}")
 
     def documents() -> Iterator[str]:
         for row in dataset:

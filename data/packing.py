@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import datasets
 import torch
 
+from ..errors import UsageError
 from .corpus import Corpus
 
 
@@ -48,12 +49,14 @@ def documents_dataset(corpus: Corpus, max_documents: int | None, cache_dir: str 
             config_name=_corpus_key(corpus)[:16],
         )
     except datasets.exceptions.DatasetGenerationError as error:
+        if isinstance(error.__cause__, datasets.arrow_writer.SchemaInferenceError):  # no row to infer a column from
+            raise UsageError(f"The corpus is empty ({corpus.description}).") from error
         # the corpus's own error (a missing column, a file that is not UTF-8) says what is wrong; the wrapper not
         if isinstance(error.__cause__, (KeyError, ValueError, OSError)):
             raise error.__cause__ from None
         raise
     if len(dataset) == 0:
-        raise ValueError(f"The corpus is empty ({corpus.description}).")
+        raise UsageError(f"The corpus is empty ({corpus.description}).")
     return dataset
 
 
@@ -61,7 +64,7 @@ def tokenize_and_pack(documents, tokenizer, context_length: int, num_proc: int |
     """ids of each document + <eos>, concatenated and cut into blocks of `context_length`."""
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("The tokenizer has no end-of-sequence token; train it with `deriv tokenizer train`.")
+        raise UsageError("The tokenizer has no end-of-sequence token; train it with `deriv tokenizer train`.")
 
     def tokenize(batch):
         # split_special_tokens: a document that spells `<eos>` holds five characters, not the control token;
@@ -92,7 +95,7 @@ def split_documents(corpus: Corpus, args):
     before anything is trained on them: the tokenizer then learns from the training documents alone."""
     documents = documents_dataset(corpus, args.max_documents, args.cache_dir)
     if len(documents) < 2:
-        raise ValueError(
+        raise UsageError(
             f"The corpus has {len(documents)} document; at least 2 are needed to hold out a validation split."
         )
     return documents.train_test_split(test_size=args.validation_fraction, seed=args.seed, shuffle=True)
@@ -106,7 +109,7 @@ def lm_datasets(documents, tokenizer, args) -> tuple:
     validation = tokenize_and_pack(split["test"], tokenizer, args.max_position_embeddings, args.num_proc)
     for name, part in (("training", train), ("validation", validation)):
         if len(part) == 0:
-            raise ValueError(
+            raise UsageError(
                 f"The {name} split is smaller than one block of {args.max_position_embeddings} tokens; use a larger "
                 "corpus, a shorter --context-length, or a larger --validation-fraction."
             )

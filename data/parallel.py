@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from ..errors import MissingFile, MissingKey, UsageError
+
 
 LOCALE_DIR = "/usr/share/locale"
 # printf / Python / brace placeholders and the like: "%s", "%(name)d", "{0}", "%1$s", "$HOME"
@@ -67,22 +69,25 @@ def _side(row: dict, language: str, where: str):
     value = row.get("translation")
     table = value if isinstance(value, dict) else row
     if language not in table:
-        raise KeyError(f"{where}: no {language!r} text; the languages (or columns) there are {_languages_of(row)}")
+        raise MissingKey(f"{where}: no {language!r} text; the languages (or columns) there are {_languages_of(row)}")
     return table[language]
 
 
 def _tsv_rows(path: str) -> Iterator[tuple[str, str]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if len(fields) != 2:
-                raise ValueError(
-                    f"{path}:{number}: expected 'source<TAB>target', found {len(fields)} tab-separated field(s)"
-                )
-            yield fields[0], fields[1]
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                line = line.rstrip("\r\n")
+                if not line.strip():
+                    continue
+                fields = line.split("\t")
+                if len(fields) != 2:
+                    raise UsageError(
+                        f"{path}:{number}: expected 'source<TAB>target', found {len(fields)} tab-separated field(s)"
+                    )
+                yield fields[0], fields[1]
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{path}: not valid UTF-8 at byte {error.start}; convert the file to UTF-8") from error
 
 
 def local_pairs(paths: str | list[str], source_lang: str = "en", target_lang: str = "de") -> ParallelCorpus:
@@ -94,9 +99,9 @@ def local_pairs(paths: str | list[str], source_lang: str = "en", target_lang: st
     files = []
     for path in paths:
         if not os.path.exists(path):
-            raise FileNotFoundError(f"No such file: {path}")
+            raise MissingFile(f"No such file: {path}")
         if not path.endswith((".tsv", ".jsonl", ".json")):
-            raise ValueError(f"{path}: parallel data must be .tsv (source<TAB>target), .jsonl or .json")
+            raise UsageError(f"{path}: parallel data must be .tsv (source<TAB>target), .jsonl or .json")
         files.append(path)
     pairs, skipped = [], 0
     for path in files:
@@ -106,7 +111,7 @@ def local_pairs(paths: str | list[str], source_lang: str = "en", target_lang: st
             try:
                 table = datasets.load_dataset("json", data_files=path, split="train")
             except Exception as error:  # datasets raises many kinds; the file name is what the user needs
-                raise ValueError(f"{path}: cannot be read as JSON lines ({error})") from error
+                raise UsageError(f"{path}: cannot be read as JSON lines ({error})") from error
             names = (source_lang, target_lang)
             if {"source", "target"} <= set(table.column_names) and "translation" not in table.column_names:
                 names = ("source", "target")
@@ -171,7 +176,7 @@ def gettext_pairs(language: str = "de", locale_dir: str = LOCALE_DIR) -> list[Pa
     """All English -> `language` message pairs of the machine's gettext catalogs, deduplicated, sorted."""
     paths = sorted(glob.glob(os.path.join(locale_dir, language, "LC_MESSAGES", "*.mo")))
     if not paths:
-        raise FileNotFoundError(
+        raise MissingFile(
             f"No gettext catalogs for {language!r} in {os.path.join(locale_dir, language, 'LC_MESSAGES')}. "
             "Pass parallel data instead: --dataset NAME (a `translation` column, the WMT/OPUS layout) or "
             "--files pairs.tsv / pairs.jsonl."
@@ -201,7 +206,7 @@ def pairs_from_args(args) -> ParallelCorpus:
     if args.dataset:
         return hub_pairs(args.dataset, args.dataset_config, args.split, args.source_lang, args.target_lang)
     if args.source_lang != "en":
-        raise ValueError(
+        raise UsageError(
             f"The embedded default corpus translates from English (gettext catalogs are keyed by their English "
             f"messages); for --source-lang {args.source_lang} pass --dataset NAME or --files pairs.tsv."
         )

@@ -18,6 +18,7 @@ from itertools import islice
 
 import datasets
 
+from ..errors import UsageError
 from .corpus import Corpus
 
 
@@ -34,10 +35,10 @@ def held_out_documents(corpus: Corpus, count: int, max_documents: int | None) ->
     """The first `count` documents (validation), read into memory; one more is read to be sure some remain."""
     first = [row["text"] for row in stream_documents(corpus, 0, count + 1)]
     if not first:
-        raise ValueError(f"The corpus is empty ({corpus.description}).")
+        raise UsageError(f"The corpus is empty ({corpus.description}).")
     if len(first) <= count or (max_documents is not None and max_documents <= count):
         available = len(first) if len(first) <= count else max_documents
-        raise ValueError(
+        raise UsageError(
             f"The stream has {available} document(s), and --validation-documents {count} holds them all out: "
             "none are left to train on; pass a smaller --validation-documents or a longer stream."
         )
@@ -48,7 +49,7 @@ def packer(tokenizer, context_length: int):
     """A batched map function: {"text": [...]} -> {"input_ids": [blocks]}, <eos> after each document."""
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("The tokenizer has no end-of-sequence token; train it with `deriv tokenizer train`.")
+        raise UsageError("The tokenizer has no end-of-sequence token; train it with `deriv tokenizer train`.")
 
     def pack(batch: dict) -> dict:
         # split_special_tokens: a document that spells `<eos>` holds five characters, not the control token.
@@ -67,7 +68,7 @@ def validation_blocks(texts: list[str], tokenizer, context_length: int):
     for i in range(0, len(texts), PACK_BATCH):
         blocks += pack({"text": texts[i : i + PACK_BATCH]})["input_ids"]
     if not blocks:
-        raise ValueError(
+        raise UsageError(
             f"The {len(texts)} validation document(s) are shorter than one block of {context_length} tokens; "
             "pass a larger --validation-documents or a shorter --context-length."
         )

@@ -3,15 +3,30 @@ and the one-line text both end in. Standard library only: `deriv_lm/cli.py` and 
 
     raise UsageError(f"--stride {stride} is longer than the model's window of {window} tokens")
 
-A command that meets bad input (a flag out of range, a missing file or column, a folder that is not a model)
-raises `UsageError`, whose text names the flag, file or folder and what is allowed; the CLI prints it in one
-line and exits with status 2. Any other exception is a bug in deriv: the CLI shows its traceback.
+The rule, for every room:
+
+- Bad input (a flag out of range, a file or folder that is not what the command reads, a missing column)
+  raises `UsageError`, whose text names the flag, file or folder and what is allowed; `MissingFile` for a file
+  or folder the user named that is not there, `MissingKey` for a column, field, split or language the data
+  lacks. They are a ValueError (and a FileNotFoundError, a KeyError), as Python's own functions answer a bad
+  argument, so the Python API keeps its contract. The CLI prints one line, `deriv: error: ...`, status 2.
+- A library that refuses input we passed on from the user (transformers on a malformed config.json, datasets
+  on a file it cannot parse, huggingface_hub's strict config validation) is caught at our boundary, the loader
+  or the corpus reader, and re-raised as a UsageError naming the folder, file or column, `from` the library's
+  error.
+- The OS refusing a file (`OSError`: permission denied, disk full, not found) is one line as well: bad input or
+  a bad environment, never a defect in deriv.
+- A plain ValueError stays for a violated internal contract: a bug. So does every other exception: the CLI
+  shows its traceback, then `deriv: this is a bug in deriv; please report it with the traceback above`, and
+  exits with status 1. `deriv --debug` (or DERIV_DEBUG=1) shows the traceback of a usage error too.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class UsageError(ValueError):
@@ -95,16 +110,55 @@ def _required_library(message: str) -> str | None:
     return found and found.group(1).lower()
 
 
-# TRANSITIONAL, removed when every room raises UsageError for bad input (issue 30, item 7).
+@contextmanager
+def refused_as_usage(what: str) -> Iterator[None]:
+    """A library's refusal of input we passed on from the user, as bad input: a ValueError (or huggingface_hub's
+    strict-dataclass error, which wraps the config's own ValueError) raised inside becomes a UsageError naming
+    `what` (the flags, file or folder the input came from), `from` the library's error.
+
+        with refused_as_usage(f"--hidden {args.hidden} --heads {args.heads}"):
+            config = DerivSeq2SeqConfig(hidden_size=args.hidden, encoder_attention_heads=args.heads, ...)
+    """
+    try:
+        yield
+    except UsageError:
+        raise
+    except Exception as error:
+        strict = type(error).__name__.startswith("StrictDataclass")
+        if not (strict or isinstance(error, ValueError)):
+            raise
+        cause = error.__cause__ if strict and error.__cause__ is not None else error
+        raise UsageError(f"{what}: {one_line(cause)}") from error
+
+
+# TRANSITIONAL (issue 30, item 7): training/ still raises a plain ValueError or KeyError for some bad input. Such an
+# error is reported in one line while code of a room named here is on its traceback; every other room raises
+# UsageError, so there a plain ValueError or KeyError is a bug. Both go once training/ raises UsageError.
 _NOT_YET_USAGE_ERRORS = (ValueError, KeyError)
+_NOT_YET_ROOMS = ("deriv_lm.training",)
 
 
 def bad_input(error: Exception) -> Exception | None:
     """The error to report in one line if `error` is bad input (a UsageError, or the OS refusing a file); None if
     it is a bug (keep the traceback)."""
+    if isinstance(error, (UsageError, *ENVIRONMENT_ERRORS)):
+        return error
     if type(error).__name__.startswith("StrictDataclass") and error.__cause__ is not None:
         error = error.__cause__  # huggingface_hub's config validation wraps the config's own ValueError
-    return error if isinstance(error, (UsageError, *ENVIRONMENT_ERRORS, *_NOT_YET_USAGE_ERRORS)) else None
+    if isinstance(error, _NOT_YET_USAGE_ERRORS) and _raised_in(error, _NOT_YET_ROOMS):
+        return error
+    return None
+
+
+def _raised_in(error: BaseException, rooms: tuple[str, ...]) -> bool:
+    """Whether code of one of `rooms` (deriv_lm.training, ...) is on `error`'s traceback."""
+    frame = error.__traceback__
+    while frame is not None:
+        module = frame.tb_frame.f_globals.get("__name__", "")
+        if any(module == room or module.startswith(room + ".") for room in rooms):
+            return True
+        frame = frame.tb_next
+    return False
 
 
 def one_line(error: BaseException | str) -> str:

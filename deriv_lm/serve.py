@@ -27,6 +27,7 @@ import signal
 import time
 
 from .arguments import integer
+from .errors import MissingFile, UsageError
 
 
 # transformers sizes the paged cache of continuous batching from the memory left on the device: on a GPU that is
@@ -136,19 +137,19 @@ def resolve_device(name: str) -> str:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as error:
-        raise SystemExit(f"--device {name!r} is not a device torch knows ({error}); try cpu or cuda") from None
+        raise UsageError(f"--device {name!r} is not a device torch knows ({error}); try cpu or cuda") from None
     if device.type == "cpu":
         return name
     backend = getattr(torch, device.type, None)
     available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
     if not available:
-        raise SystemExit(
+        raise UsageError(
             f"--device {name}: this torch ({torch.__version__}) has no usable {device.type} device; use --device "
             "cpu, or install a torch build for your accelerator"
         )
     count = backend.device_count() if hasattr(backend, "device_count") else 1
     if device.index is not None and device.index >= count:
-        raise SystemExit(f"--device {name}: there are {count} {device.type} device(s), numbered from 0")
+        raise UsageError(f"--device {name}: there are {count} {device.type} device(s), numbered from 0")
     return name
 
 
@@ -159,7 +160,7 @@ def listen(host: str, port: int):
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as error:
-        raise SystemExit(f"--host {host!r} cannot be resolved ({error}); try 127.0.0.1 or 0.0.0.0") from None
+        raise UsageError(f"--host {host!r} cannot be resolved ({error}); try 127.0.0.1 or 0.0.0.0") from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -167,7 +168,7 @@ def listen(host: str, port: int):
         sock.listen(2048)
     except OSError as error:
         sock.close()
-        raise SystemExit(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     sock.setblocking(False)
     return sock
 
@@ -246,14 +247,14 @@ def check_servable(folder: str | os.PathLike) -> str:
 
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{folder}: no such model folder")
+        raise MissingFile(f"{folder}: no such model folder")
     try:
         config = AutoConfig.from_pretrained(folder)  # Deriv's types are registered: no remote code runs
     except Exception as error:
-        raise ValueError(f"{folder}: not a model folder ({' '.join(str(error).split())})") from error
+        raise UsageError(f"{folder}: not a model folder ({' '.join(str(error).split())})") from error
     if config.model_type != DerivConfig.model_type:
         kind = "a translation model" if config.is_encoder_decoder else f"a {config.model_type!r} model"
-        raise ValueError(
+        raise UsageError(
             f"{folder} holds {kind}; deriv serve serves Deriv language models (its endpoints and continuous "
             "batching are decoder-only)"
         )

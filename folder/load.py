@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import MissingFile, UsageError
+
 
 # Folders and files an export keeps for training or resuming, never uploaded: optimizer states, the
 # tokenizer's training copy, caches.
@@ -59,9 +61,9 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
+        raise UsageError(f"{path} is not valid JSON: {error}") from error
     if not isinstance(value, dict):
-        raise ValueError(f"{path} should hold a JSON object")
+        raise UsageError(f"{path} should hold a JSON object")
     return value
 
 
@@ -69,10 +71,10 @@ def read_folder(path: str | os.PathLike) -> ModelFolder:
     """The folder's config, run record and generation defaults; a clear error if it is no model folder."""
     path = str(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"No such folder: {path}")
+        raise MissingFile(f"No such folder: {path}")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+        raise MissingFile(f"{path} is not a model folder: it has no config.json")
     config = _read_json(config_path)
     run = _read_json(os.path.join(path, "run.json")) if os.path.isfile(os.path.join(path, "run.json")) else None
     gen_path = os.path.join(path, "generation_config.json")
@@ -103,8 +105,8 @@ def _cause(error: BaseException) -> str:
 
 def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remote_code: bool = False) -> LoadedFolder:
     """Open an exported folder (or a Hub name): `seq2seq=True` wants a translation model, `False` a language
-    model, `None` takes whichever kind the folder holds. Bad input raises FileNotFoundError or ValueError with
-    one message naming the folder and the cause.
+    model, `None` takes whichever kind the folder holds. Bad input raises UsageError (MissingFile for a folder
+    that is not there) with one message naming the folder and the cause.
 
     Only Deriv's model types load (`DERIV_MODEL_TYPES`), through the installed classes (registered with the Auto
     classes when `deriv_lm` is imported), so a folder's copied `.py` files never run. A folder of another type
@@ -116,13 +118,13 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
     folder = str(path)
     local = os.path.isdir(folder)
     if not local and (os.path.exists(folder) or os.path.isabs(folder) or folder.startswith(".")):
-        raise FileNotFoundError(f"{folder}: no such model folder")
+        raise MissingFile(f"{folder}: no such model folder")
     if local:  # the type as config.json says it, before any class (or code) is chosen by it
         check_model_type(folder, read_folder(folder).config.get("model_type"), trust_remote_code=trust_remote_code)
 
-    def unloadable(error: Exception) -> ValueError:  # a corrupt or foreign folder fails in many ways
+    def unloadable(error: Exception) -> UsageError:  # a corrupt or foreign folder fails in many ways
         hint = "" if trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"
-        return ValueError(f"{folder}: not a model folder this command can load ({_cause(error)}){hint}")
+        return UsageError(f"{folder}: not a model folder this command can load ({_cause(error)}){hint}")
 
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -133,7 +135,7 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
         check_model_type(folder, config.model_type, trust_remote_code=trust_remote_code)
     if seq2seq is not None and is_seq2seq != seq2seq:
         wanted, found = ("translation", "language") if seq2seq else ("language", "translation")
-        raise ValueError(f"{folder} holds a {found} model; this command needs a {wanted} model")
+        raise UsageError(f"{folder} holds a {found} model; this command needs a {wanted} model")
     auto = AutoModelForSeq2SeqLM if is_seq2seq else AutoModelForCausalLM
     model = load_weights(auto, folder, config=config, trust_remote_code=trust_remote_code).eval()
     try:
@@ -161,7 +163,7 @@ def check_model_type(
     if found in expected or trust_remote_code:
         return
     if not found:
-        raise ValueError(f"{folder}/config.json has no model_type; it is not a model folder this command can load")
+        raise UsageError(f"{folder}/config.json has no model_type; it is not a model folder this command can load")
     hints = []
     if found in IMPORTABLE_MODEL_TYPES and expected == DERIV_MODEL_TYPES:
         hints.append(f"`deriv import` converts a {found} folder into a Deriv one")
@@ -169,7 +171,7 @@ def check_model_type(
         hints.append(f"if you trust its code, pass {consent}")
     names = " or ".join(repr(t) for t in expected)
     wanted = f"a Deriv one (type {names})" if expected == DERIV_MODEL_TYPES else f"one of type {names}"
-    raise ValueError(f"{folder} holds a {found!r} model, not {wanted}" + "".join(f"; {h}" for h in hints))
+    raise UsageError(f"{folder} holds a {found!r} model, not {wanted}" + "".join(f"; {h}" for h in hints))
 
 
 def check_weight_files(folder: str | os.PathLike) -> None:
@@ -184,13 +186,13 @@ def check_weight_files(folder: str | os.PathLike) -> None:
     if not names.intersection(SAFETENSORS):
         pickles = sorted(n for n in names if n.endswith(PICKLED) and os.path.isfile(os.path.join(folder, n)))
         if not pickles:
-            raise FileNotFoundError(f"{folder} has no model.safetensors (the weights)")
+            raise MissingFile(f"{folder} has no model.safetensors (the weights)")
         try:
             seq2seq = bool(read_folder(folder).config.get("is_encoder_decoder"))
         except (OSError, ValueError):
             seq2seq = False
         auto = "AutoModelForSeq2SeqLM" if seq2seq else "AutoModelForCausalLM"
-        raise ValueError(
+        raise UsageError(
             f"{folder} has its weights only as a pickle ({', '.join(pickles)}), which deriv never opens (unpickling "
             f"can run code); convert it once, in a Python you trust it in: `{auto}.from_pretrained(folder)` then "
             "`.save_pretrained(folder)` writes model.safetensors"
@@ -220,7 +222,7 @@ def load_weights(model_class, folder: str | os.PathLike, **kwargs):
                 str(folder), use_safetensors=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
             )
         except (SafetensorError, RuntimeError, OSError) as error:  # unreadable bytes, a missing shard, ...
-            raise ValueError(f"{weights}: the weights cannot be read ({_cause(error)})") from error
+            raise UsageError(f"{weights}: the weights cannot be read ({_cause(error)})") from error
         _refuse_misfit(weights, info["missing_keys"], info["mismatched_keys"], info["unexpected_keys"])
         release()
     return model
@@ -238,7 +240,7 @@ def _refuse_misfit(weights: str, missing=(), mismatched=(), unexpected=()) -> No
     if unexpected:
         problems.append(f"{_count(unexpected, 'tensor')} the model has no place for: {_some(unexpected)}")
     if problems:
-        raise ValueError(f"{weights} does not fit the model its config.json describes: {'; '.join(problems)}")
+        raise UsageError(f"{weights} does not fit the model its config.json describes: {'; '.join(problems)}")
 
 
 def _misshapen_before_quantizing(model_class, folder: str | os.PathLike, config=None) -> list[tuple]:
@@ -320,11 +322,11 @@ def with_adapter(model, folder: str):
     safetensors adapter is read: PEFT would unpickle an `adapter_model.bin`, which may run code."""
     adapter = os.path.join(folder, ADAPTER)
     if not os.path.isfile(os.path.join(adapter, "adapter_model.safetensors")):
-        raise ValueError(f"{adapter} has no adapter_model.safetensors; only a safetensors adapter is loaded")
+        raise UsageError(f"{adapter} has no adapter_model.safetensors; only a safetensors adapter is loaded")
     try:
         from peft import PeftModel
     except ImportError as error:
-        raise ValueError(
+        raise UsageError(
             f"{folder} holds a LoRA adapter ({ADAPTER}/) beside its base weights; loading it needs PEFT: "
             "pip install 'deriv-lm[lora]'"
         ) from error
@@ -334,7 +336,7 @@ def with_adapter(model, folder: str):
         with quiet_peft_deprecations():
             return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
     except Exception as error:
-        raise ValueError(f"{adapter}: not a LoRA adapter for this model ({_cause(error)})") from error
+        raise UsageError(f"{adapter}: not a LoRA adapter for this model ({_cause(error)})") from error
 
 
 def code_files(folder: ModelFolder) -> list[str]:

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 
+from ..errors import MissingFile
 from ..folder.load import check_safetensors, read_folder
 
 
@@ -120,7 +121,7 @@ def check_folder(path: str | os.PathLike, timeout: int = 300) -> list[dict]:
     never ran (because one it needs failed) is reported as failed with the reason."""
     folder = read_folder(path)
     if not (folder.has("model.safetensors") or folder.has("model.safetensors.index.json")):
-        raise FileNotFoundError(f"{path}: model.safetensors is missing, so there is no model to check")
+        raise MissingFile(f"{path}: model.safetensors is missing, so there is no model to check")
     check_safetensors(path)
     path = os.path.abspath(str(path))
     if folder.is_seq2seq:

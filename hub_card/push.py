@@ -7,6 +7,7 @@ message and claims nothing.
 
 from __future__ import annotations
 
+from ..errors import UsageError
 from ..folder.load import IGNORED, check_safetensors, missing_files, read_folder, upload_list
 
 
@@ -30,7 +31,7 @@ def validate_repo_id(repo_id: str) -> None:
     try:
         hub_validate(repo_id)
     except HFValidationError as error:
-        raise ValueError(f"{repo_id!r} is not a valid repo id (expected NAME or OWNER/NAME): {error}") from error
+        raise UsageError(f"{repo_id!r} is not a valid repo id (expected NAME or OWNER/NAME): {error}") from error
 
 
 def plan(path: str, repo_id: str) -> tuple[list[tuple[str, int]], list[str]]:

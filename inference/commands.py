@@ -8,6 +8,7 @@ import sys
 
 from ..arguments import MAX_BEAMS, integer, number
 from ..data.corpus import add_corpus_arguments, corpus_from_args
+from ..errors import UsageError
 from ..folder.load import load_folder
 from .chat import RESET, Conversation, chat
 from .sampling import add_sampling_arguments, penalty_processors, sampling_options, wanted_new_tokens
@@ -105,11 +106,11 @@ def run_generate(ns: argparse.Namespace) -> int:
     ids = encode_prompt(tokenizer, ns.prompt)
     if not ids:
         if tokenizer.bos_token_id is None:
-            raise SystemExit(f"The prompt is empty and {ns.folder} has no <bos> token to start from")
+            raise UsageError(f"The prompt is empty and {ns.folder} has no <bos> token to start from")
         ids = [tokenizer.bos_token_id]  # an empty prompt: generate from the start of a document
     context = model.config.max_position_embeddings
     if len(ids) >= context:
-        raise SystemExit(
+        raise UsageError(
             f"The prompt is {len(ids)} tokens; the model reads at most {context} (max_position_embeddings), "
             "which leaves no room for new tokens: shorten the prompt"
         )
@@ -145,7 +146,7 @@ def run_chat(ns: argparse.Namespace) -> int:
     loaded = load_folder(ns.folder, seq2seq=False, trust_remote_code=ns.trust_remote_code)
     model, tokenizer = loaded.model, loaded.tokenizer
     if not tokenizer.chat_template:
-        raise SystemExit(f"{ns.folder} has no chat template (chat_template.jinja): use `deriv generate` with it")
+        raise UsageError(f"{ns.folder} has no chat template (chat_template.jinja): use `deriv generate` with it")
     options = sampling_options(ns)
     options["max_new_tokens"] = wanted_new_tokens(options, model)
     if model.generation_config.eos_token_id is None:
@@ -164,9 +165,9 @@ def run_translate(ns: argparse.Namespace) -> int:
     for i, text in enumerate(ns.text, 1):
         length = len(encode_prompt(tokenizer, text))
         if length == 0:
-            raise SystemExit(f"Sentence {i} is empty: there is nothing to translate")
+            raise UsageError(f"Sentence {i} is empty: there is nothing to translate")
         if length > context:
-            raise SystemExit(f"Sentence {i} is {length} tokens; the model reads at most {context}: split it")
+            raise UsageError(f"Sentence {i} is {length} tokens; the model reads at most {context}: split it")
     options = {
         k: getattr(ns, k)
         for k in ("num_beams", "length_penalty", "max_new_tokens", "num_return_sequences")
@@ -184,7 +185,7 @@ def run_translate(ns: argparse.Namespace) -> int:
     n = ns.num_return_sequences
     beams = options.get("num_beams", model.generation_config.num_beams or 1)
     if n > beams:
-        raise SystemExit(f"--num-return-sequences {n} needs at least as many beams (--num-beams {n}), not {beams}")
+        raise UsageError(f"--num-return-sequences {n} needs at least as many beams (--num-beams {n}), not {beams}")
     if beams == 1:
         options["early_stopping"] = False  # a beam-search option; the folder's default may set it
     outputs = translate(model, tokenizer, ns.text, **options)
@@ -203,7 +204,7 @@ def run_eval(ns: argparse.Namespace) -> int:
         return _eval_translation(ns, model, tokenizer)
     window = model.config.max_position_embeddings
     if ns.stride is not None and ns.stride > window:
-        raise SystemExit(f"--stride {ns.stride} is longer than the model's window of {window} tokens")
+        raise UsageError(f"--stride {ns.stride} is longer than the model's window of {window} tokens")
     corpus = corpus_from_args(ns)
     ids: list[int] = []
     for text in corpus:
@@ -211,7 +212,7 @@ def run_eval(ns: argparse.Namespace) -> int:
         if len(ids) >= ns.max_tokens:
             break
     if len(ids) < 2:
-        raise SystemExit(f"{corpus.description} gives {len(ids)} token(s); perplexity needs at least 2")
+        raise UsageError(f"{corpus.description} gives {len(ids)} token(s); perplexity needs at least 2")
     result = sliding_window_perplexity(model, ids[: ns.max_tokens], window, ns.stride or window // 2, progress=True)
     print(
         f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f}) on {result['tokens']} tokens of "
@@ -229,7 +230,7 @@ def _eval_translation(ns: argparse.Namespace, model, tokenizer) -> int:
     pairs = corpus.pairs if ns.all_pairs else split_pairs(corpus.pairs)["test"]
     pairs = pairs[: ns.max_pairs] if ns.max_pairs else pairs
     if not pairs:
-        raise SystemExit(f"No pairs to score in {corpus.description}{'' if ns.all_pairs else ' (test split)'}")
+        raise UsageError(f"No pairs to score in {corpus.description}{'' if ns.all_pairs else ' (test split)'}")
     beams = ns.num_beams or model.generation_config.num_beams or 1
     result = score(model, tokenizer, pairs, beams, progress=True)
     print(

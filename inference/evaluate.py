@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from ..errors import UsageError
+
 
 @torch.no_grad()
 def sliding_window_perplexity(model, token_ids: list[int], window: int, stride: int, progress: bool = False) -> dict:
@@ -18,9 +20,9 @@ def sliding_window_perplexity(model, token_ids: list[int], window: int, stride: 
     from tqdm.auto import tqdm
 
     if not 0 < stride <= window:
-        raise ValueError(f"stride must lie in [1, window={window}], got {stride}")
+        raise UsageError(f"stride must lie in [1, window={window}], got {stride}")
     if len(token_ids) < 2:
-        raise ValueError("Need at least 2 tokens to measure perplexity")
+        raise UsageError("Need at least 2 tokens to measure perplexity")
     ids = torch.tensor(token_ids, device=model.device)
     total_nll, total_tokens, scored_until = 0.0, 0, 0
     starts = range(0, len(ids) - 1, stride)

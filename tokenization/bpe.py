@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
 
+from ..errors import UsageError
 from ..folder.atomic import atomic_directory
 
 
@@ -76,7 +77,7 @@ def special_tokens_with(extra: Iterable[str] = ()) -> list[str]:
     tokens = list(SPECIAL_TOKENS)
     for token in extra:
         if not token or token.isspace():
-            raise ValueError(f"A special token must be a non-empty string, got {token!r}")
+            raise UsageError(f"A special token must be a non-empty string, got {token!r}")
         if token not in tokens:
             tokens.append(token)
     return tokens
@@ -113,12 +114,12 @@ def train_bpe(
     special_tokens = SPECIAL_TOKENS if special_tokens is None else special_tokens
     smallest = BYTE_ALPHABET_SIZE + len(special_tokens)
     if not isinstance(vocab_size, int) or vocab_size < smallest:
-        raise ValueError(
+        raise UsageError(
             f"vocab_size={vocab_size} cannot hold the {BYTE_ALPHABET_SIZE} byte symbols and the "
             f"{len(special_tokens)} special tokens; use at least {smallest} (a few thousand is typical)."
         )
     if vocab_size > LARGEST_VOCAB_SIZE:
-        raise ValueError(f"vocab_size={vocab_size} is larger than {LARGEST_VOCAB_SIZE}, more than any model uses")
+        raise UsageError(f"vocab_size={vocab_size} is larger than {LARGEST_VOCAB_SIZE}, more than any model uses")
     seen = {"documents": 0, "characters": 0}
 
     def counted(texts: Iterable[str]) -> Iterator[str]:
@@ -141,7 +142,7 @@ def train_bpe(
     tokenizer.train_from_iterator(counted(documents), trainer)
     seconds = time.perf_counter() - start
     if seen["characters"] == 0:
-        raise ValueError("The corpus is empty: no document had any text to learn from.")
+        raise UsageError("The corpus is empty: no document had any text to learn from.")
     summary = TrainingSummary(tokenizer.get_vocab_size(), seen["documents"], seen["characters"], seconds)
     return tokenizer, summary
 
@@ -153,7 +154,7 @@ def to_transformers(tokenizer: Tokenizer, model_max_length: int = 1024):
     vocab = tokenizer.get_vocab()
     missing = [t for t in (PAD, BOS, EOS) if t not in vocab]
     if missing:
-        raise ValueError(f"The tokenizer lacks the special tokens {missing}; train it with train_bpe().")
+        raise UsageError(f"The tokenizer lacks the special tokens {missing}; train it with train_bpe().")
     extra = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.content not in SPECIAL_TOKENS]
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

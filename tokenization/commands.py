@@ -8,6 +8,7 @@ import sys
 
 from ..arguments import integer, number
 from ..data.corpus import add_corpus_arguments, corpus_from_args
+from ..errors import UsageError
 from .bpe import (
     LARGEST_VOCAB_SIZE,
     SMALLEST_VOCAB_SIZE,
@@ -87,11 +88,11 @@ def _load(folder: str):
     from transformers import AutoTokenizer
 
     if not os.path.isdir(folder):
-        raise SystemExit(f"{folder}: no such tokenizer folder")
+        raise UsageError(f"{folder}: no such tokenizer folder")
     try:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # a corrupt file fails in many ways, all of them "this folder is not usable"
-        raise SystemExit(f"{folder}: not a tokenizer folder ({' '.join(str(error).split())})") from error
+        raise UsageError(f"{folder}: not a tokenizer folder ({' '.join(str(error).split())})") from error
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -110,7 +111,7 @@ def run_stats(args: argparse.Namespace) -> int:
     corpus = corpus_from_args(args)
     sample = [text for text in _sample(corpus, args.sample_mb) if text]
     if not sample:
-        raise SystemExit(f"{corpus.description} has no text to measure characters per token on")
+        raise UsageError(f"{corpus.description} has no text to measure characters per token on")
     stats["sample"] = f"{args.sample_mb} MB of {corpus.description}"
     stats["characters_per_token"] = characters_per_token(tokenizer, sample)
     print(format_stats(stats))

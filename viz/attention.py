@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UsageError
 from ..folder.curve import pyplot, save
 
 
@@ -40,9 +41,9 @@ def _tokens(tokenizer, ids: list[int]) -> list[str]:
 def _ids(tokenizer, text: str, limit: int, what: str) -> list[int]:
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if not ids:
-        raise ValueError(f"The {what} is empty")
+        raise UsageError(f"The {what} is empty")
     if len(ids) > limit:
-        raise ValueError(
+        raise UsageError(
             f"The {what} is {len(ids)} tokens long; the model reads at most {limit} (max_position_embeddings)"
         )
     return ids

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..arguments import command_name, integer, number
-from ..errors import require_extra
+from ..errors import UsageError, require_extra
 from .attention import load_eager
 from .pictures import MAX_TOKENS_DRAWN
 
@@ -113,10 +113,10 @@ def run_attention(ns: argparse.Namespace) -> int:
         maps = attention_maps(model, tokenizer, ns.text, ns.target)
         kinds = list(maps) if ns.kind == "all" else [ns.kind]
         if ns.kind not in ("all", *maps):
-            raise ValueError(f"{ns.folder} has no {ns.kind} attention; it has {', '.join(maps)}")
+            raise UsageError(f"{ns.folder} has no {ns.kind} attention; it has {', '.join(maps)}")
         chosen = {kind: select(maps[kind], ns.layers, ns.heads) for kind in kinds}
     except IndexError as error:
-        raise ValueError(str(error)) from error
+        raise UsageError(str(error)) from error
     layer_names = ns.layers
     paths = []
     for kind, m in chosen.items():
@@ -130,7 +130,7 @@ def _positions(ns):
     from .pictures import positional_encoding
 
     if ns.dim % 2:
-        raise SystemExit(f"--dim {ns.dim}: the sinusoidal table pairs a sine and a cosine, so it must be even")
+        raise UsageError(f"--dim {ns.dim}: the sinusoidal table pairs a sine and a cosine, so it must be even")
     return positional_encoding(ns.out, ns.positions, ns.dim)
 
 
@@ -142,7 +142,7 @@ def _tokens(ns):
     try:
         tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=ns.trust_remote_code)
     except Exception as error:
-        raise SystemExit(f"{ns.folder}: no tokenizer there ({error})") from error
+        raise UsageError(f"{ns.folder}: no tokenizer there ({error})") from error
     count = len(tokenizer(ns.text, add_special_tokens=False).input_ids)
     if count > MAX_TOKENS_DRAWN:
         print(f"deriv: note: {count} tokens; the picture draws the first {MAX_TOKENS_DRAWN}", file=sys.stderr)
@@ -153,10 +153,10 @@ def _temperature(ns):
     from .pictures import temperature
 
     if len(ns.temperatures) < 2:
-        raise SystemExit("--temperatures needs two or more values: the picture compares them")
+        raise UsageError("--temperatures needs two or more values: the picture compares them")
     model, tokenizer = load_eager(ns.folder, trust_remote_code=ns.trust_remote_code)
     if model.config.is_encoder_decoder:
-        raise SystemExit(
+        raise UsageError(
             "`picture temperature` draws a language model's next-token distribution; this is a translation model"
         )
     return temperature(model, tokenizer, ns.text, ns.out, tuple(ns.temperatures), ns.top_k, ns.top_p)
@@ -168,7 +168,7 @@ def _curves(ns):
     try:
         return curves(ns.folder, ns.out)
     except FileNotFoundError as error:
-        raise SystemExit(str(error)) from error
+        raise UsageError(str(error)) from error
 
 
 def _kv_memory(ns):
@@ -177,12 +177,12 @@ def _kv_memory(ns):
     from .pictures import kv_memory
 
     if max(ns.positions) > ns.context:
-        raise SystemExit(f"--positions {max(ns.positions)}: past the models' --context {ns.context}")
+        raise UsageError(f"--positions {max(ns.positions)}: past the models' --context {ns.context}")
     static = kv_formula_bytes(ns.layers, ns.context, ns.hidden, 4, max(ns.batches))
     if static > MAX_KV_BYTES:
         fits = MAX_KV_BYTES // kv_formula_bytes(ns.layers, ns.context, ns.hidden, 4, 1)
         allowed = f"--batches <= {fits} at this shape" if fits else "lower --context, --hidden or --layers"
-        raise SystemExit(
+        raise UsageError(
             f"--batches {max(ns.batches)}: the static KV cache at --context {ns.context} would take "
             f"{static / 2**30:.1f} GiB (2 x {ns.layers} layers x {ns.context} x {ns.hidden} x 4 B x batch), past the "
             f"{MAX_KV_BYTES // 2**30} GiB this picture allocates at most: {allowed}"

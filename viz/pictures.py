@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ..errors import MissingFile, UsageError
 from ..folder.curve import plot_losses, pyplot, save
 
 
@@ -46,7 +47,7 @@ def token_split(tokenizer, text: str, path: str, per_line: int = 12, limit: int 
     of more than `limit` tokens is counted whole and drawn up to its `limit`-th token."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if not ids:
-        raise ValueError("The text is empty")
+        raise UsageError("The text is empty")
     shown = ids[:limit]
     pieces = [tokenizer.decode([i]) for i in shown]
     rows = -(-len(shown) // per_line)
@@ -92,9 +93,9 @@ def temperature(
 
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
-        raise ValueError("The text is empty")
+        raise UsageError("The text is empty")
     if ids.shape[1] > model.config.max_position_embeddings:
-        raise ValueError(
+        raise UsageError(
             f"The text is {ids.shape[1]} tokens long; the model reads at most {model.config.max_position_embeddings}"
         )
     logits = model(input_ids=ids.to(model.device)).logits[0, -1].float().cpu()
@@ -123,7 +124,7 @@ def curves(folder: str, path: str) -> str:
     """The training and validation loss the trainer logged in `metrics.jsonl`, drawn again."""
     metrics = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(metrics):
-        raise FileNotFoundError(f"{folder} has no metrics.jsonl: it was not written by `deriv train`")
+        raise MissingFile(f"{folder} has no metrics.jsonl: it was not written by `deriv train`")
     with open(metrics, encoding="utf-8") as f:
         history = [json.loads(line) for line in f if line.strip()]
     if not plot_losses(history, path):
