@@ -7,7 +7,9 @@ standard library when it is loaded, and `deriv_lm_cli` (the console script) answ
 without importing the package, whose `__init__` imports torch and transformers to register the Auto classes.
 
 Bad input ends in one line, `deriv: error: ...`, naming the flag, file or folder and what is allowed,
-and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead.
+and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead. Any other exception is a
+bug: its traceback, then `deriv: this is a bug in deriv; ...`, and exit status 1 (deriv_lm/errors.py says which
+is which).
 
 Ctrl-C (SIGINT) or SIGTERM ends any command with one line, `deriv: interrupted (SIGINT)`, and exit status 130;
 every folder is written whole or not at all (`atomic_directory`), so nothing half-written is left. The
@@ -21,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -115,6 +118,10 @@ class _Rest(Parser):
         return argparse.Namespace(rest=list(args or [])), []
 
 
+# What follows the traceback of an exception that is neither bad input (UsageError), the OS refusing a file
+# (OSError) nor a missing extra: such an exception is a defect in deriv, never the user's doing.
+BUG = "this is a bug in deriv; please report it with the traceback above"
+
 # The exit status of a command stopped by SIGINT or SIGTERM: 128 + SIGINT, the shell's status for Ctrl-C. SIGTERM
 # gives the same status (not 143): `deriv train` has always answered both with 130, and for a caller both mean
 # "stopped on request, nothing half-written", not a crash.
@@ -171,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(top: argparse.Namespace, debug: bool) -> int:
-    """Build the command's parser (importing its room), parse the rest of the line, run it; bad input -> one line."""
+    """Build the command's parser (importing its room), parse the rest of the line, run it: bad input -> one line
+    and status 2; any other exception is a bug -> its traceback, the line that says so, and status 1. Under
+    `--debug` every exception propagates with its traceback."""
     args = command_parser(top.command).parse_args(top.rest, argparse.Namespace(debug=top.debug, command=top.command))
     try:
         return args.func(args) or 0
@@ -183,9 +192,13 @@ def _run(top: argparse.Namespace, debug: bool) -> int:
         from .arguments import command_name
         from .errors import bad_input, missing_extra
 
-        error = bad_input(caught) or missing_extra(caught, command_name(args))
-        if error is None or debug:
+        if debug:
             raise
+        error = bad_input(caught) or missing_extra(caught, command_name(args))
+        if error is None:
+            traceback.print_exc()
+            print(f"deriv: {BUG}", file=sys.stderr)
+            return 1
     from .errors import one_line
 
     print(f"deriv: error: {one_line(error)}", file=sys.stderr)

@@ -80,3 +80,58 @@ def test_the_old_bench_spellings_still_dispatch(old, monkeypatch):
     assert main([old]) == 0
     assert main(["bench", kind]) == 0
     assert len(seen) == 2 and vars(seen[0]).keys() - {"kind"} == vars(seen[1]).keys() - {"kind"}
+
+
+# ---- what a failure means: bad input is one line, anything else is a bug with its traceback ----------------------
+
+
+def _failing_bench(monkeypatch, error: Exception) -> None:
+    """`deriv bench training` raises `error` where its work would start."""
+    from deriv_lm.bench import training
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(training, "run", run)
+
+
+def test_a_key_error_inside_a_command_is_a_bug_with_its_traceback(monkeypatch, capsys):
+    _failing_bench(monkeypatch, KeyError("hidden_size"))
+    assert main(["bench", "training"]) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):", err
+    assert "KeyError: 'hidden_size'" in err
+    assert lines[-1] == "deriv: this is a bug in deriv; please report it with the traceback above"
+    assert "deriv: error:" not in err
+
+
+def test_a_usage_error_is_one_line_and_status_2(monkeypatch, capsys):
+    from deriv_lm.errors import UsageError
+
+    _failing_bench(monkeypatch, UsageError("--steps 7: past the corpus"))
+    assert main(["bench", "training"]) == 2
+    assert capsys.readouterr().err == "deriv: error: --steps 7: past the corpus\n"
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_debug_shows_the_traceback_of_a_usage_error(how, monkeypatch, capsys):
+    from deriv_lm.errors import UsageError
+
+    _failing_bench(monkeypatch, UsageError("--steps 7: past the corpus"))
+    if how == "environment":
+        monkeypatch.setenv("DERIV_DEBUG", "1")
+    with pytest.raises(UsageError, match="past the corpus") as raised:
+        main(["--debug", "bench", "training"] if how == "flag" else ["bench", "training"])
+    assert raised.traceback[-1].name == "run"  # the traceback reaches where it was raised
+    assert "deriv: error:" not in capsys.readouterr().err
+
+
+def test_a_missing_file_and_the_os_refusing_one_are_one_line(monkeypatch, capsys):
+    from deriv_lm.errors import MissingFile
+
+    for error in (MissingFile("--json out/x.json: the folder out does not exist"), PermissionError("out: denied")):
+        _failing_bench(monkeypatch, error)
+        assert main(["bench", "training"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("deriv: error: ") and "Traceback" not in err
