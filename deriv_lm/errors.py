@@ -131,34 +131,12 @@ def refused_as_usage(what: str) -> Iterator[None]:
         raise UsageError(f"{what}: {one_line(cause)}") from error
 
 
-# TRANSITIONAL (issue 30, item 7): training/ still raises a plain ValueError or KeyError for some bad input. Such an
-# error is reported in one line while code of a room named here is on its traceback; every other room raises
-# UsageError, so there a plain ValueError or KeyError is a bug. Both go once training/ raises UsageError.
-_NOT_YET_USAGE_ERRORS = (ValueError, KeyError)
-_NOT_YET_ROOMS = ("deriv_lm.training",)
-
-
 def bad_input(error: Exception) -> Exception | None:
     """The error to report in one line if `error` is bad input (a UsageError, or the OS refusing a file); None if
     it is a bug (keep the traceback)."""
     if isinstance(error, (UsageError, *ENVIRONMENT_ERRORS)):
         return error
-    if type(error).__name__.startswith("StrictDataclass") and error.__cause__ is not None:
-        error = error.__cause__  # huggingface_hub's config validation wraps the config's own ValueError
-    if isinstance(error, _NOT_YET_USAGE_ERRORS) and _raised_in(error, _NOT_YET_ROOMS):
-        return error
     return None
-
-
-def _raised_in(error: BaseException, rooms: tuple[str, ...]) -> bool:
-    """Whether code of one of `rooms` (deriv_lm.training, ...) is on `error`'s traceback."""
-    frame = error.__traceback__
-    while frame is not None:
-        module = frame.tb_frame.f_globals.get("__name__", "")
-        if any(module == room or module.startswith(room + ".") for room in rooms):
-            return True
-        frame = frame.tb_next
-    return False
 
 
 def one_line(error: BaseException | str) -> str:

@@ -156,7 +156,7 @@ class DataArguments:
     def __post_init__(self) -> None:
         _positive(self, "num_proc", optional=True)
         if self.files and self.dataset:
-            raise ValueError("Pass either `files` or `dataset`, not both")
+            raise UsageError("Pass either `files` or `dataset`, not both")
 
 
 @dataclass
@@ -322,7 +322,7 @@ class LanguageModelArguments:
         check_range("shuffle_buffer", self.shuffle_buffer, minimum=0, integral=True)
         check_range("validation_fraction", self.validation_fraction, above=0, below=1)
         if self.streaming and self.max_documents is not None and self.max_documents <= self.validation_documents:
-            raise ValueError(
+            raise UsageError(
                 f"`max_documents` ({self.max_documents}) must exceed `validation_documents` "
                 f"({self.validation_documents}): the stream's first documents are held out for validation"
             )

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from transformers.utils import logging
 
+from ..errors import UsageError
 from ..folder.atomic import fsync_tree
 
 
@@ -180,7 +181,7 @@ class Checkpoints:
             with open(os.path.join(path, SCHEDULER_FILE)) as f:
                 scheduler.load_state_dict(json.load(f))
         except (OSError, ValueError) as error:
-            raise ValueError(
+            raise UsageError(
                 f"Cannot resume from {path}: its trainer or scheduler state is unreadable ({error})"
             ) from error
 
@@ -190,12 +191,12 @@ class Checkpoints:
             check_sharded_metadata(path)
             self.accelerator.load_state(path)
         except pickle.UnpicklingError as error:
-            raise ValueError(
+            raise UsageError(
                 f"Cannot resume from {path}: a file there is not plain tensor data and was not loaded "
                 f"(torch's weights_only loader refused it: {' '.join(str(error).split())[:300]})"
             ) from error
         except (RuntimeError, ValueError, KeyError) as error:
-            raise ValueError(
+            raise UsageError(
                 f"Cannot resume from {path}: it does not match this model or optimizer ({error}). Resume with "
                 "the arguments the run was started with, or start afresh in another --output-dir."
             ) from error

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..errors import require_extra
+from ..errors import MissingFile, require_extra
 from . import args as training_args
 
 
@@ -87,7 +87,7 @@ def run_sft(namespace: argparse.Namespace) -> int:
         require_extra("lora", "deriv train sft --lora")  # before the data is read and the model loaded
     default = training_args.CHAT_PRESETS[args.preset]["init_from"]
     if args.init_from == default and not os.path.isdir(default):
-        raise FileNotFoundError(
+        raise MissingFile(
             f"--init-from {default}: no such model folder; run `deriv train lm` first, or name a folder to fine-tune"
         )
     return _run_training(train_sft, args, namespace.cpu)

@@ -22,6 +22,8 @@ import os
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+from ..errors import UsageError
+
 
 def _asked(name: str) -> bool:
     return os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"
@@ -34,7 +36,7 @@ def settle_distributed_mode(accelerator) -> None:
         # copies from): the plugin reads the launcher's FSDP_* variables.
         plugin = FullyShardedDataParallelPlugin()
         if getattr(plugin, "fsdp_version", 1) != 2:
-            raise ValueError(
+            raise UsageError(
                 "FSDP on CPU processes needs FSDP2 (fully_shard; `fsdp_version: 2` in the accelerate config), which "
                 f"this accelerate ({accelerate_version()}) does not offer or was not asked for; use an accelerate "
                 "with FSDP2 or cpu_two_processes.yaml (DDP)."
@@ -46,7 +48,7 @@ def settle_distributed_mode(accelerator) -> None:
     if _asked("DEEPSPEED") and (
         accelerator.distributed_type != DistributedType.DEEPSPEED or accelerator.num_processes != launched
     ):
-        raise ValueError(
+        raise UsageError(
             f"DeepSpeed was asked for with {launched} process(es); accelerate set up "
             f"{accelerator.distributed_type.value} with {accelerator.num_processes} on {accelerator.device}. "
             "accelerate runs DeepSpeed on GPUs (and other accelerators), not on CPU processes: on CPU use "

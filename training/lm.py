@@ -16,6 +16,7 @@ import torch
 from ..data.corpus import corpus_from_args
 from ..data.packing import lm_datasets, split_documents
 from ..data.streaming import held_out_documents, stream_datasets, tokenizer_sample
+from ..errors import refused_as_usage
 from ..modeling_deriv import DerivConfig, DerivForCausalLM
 from .driver import run
 from .task import Outcome, Source, Task, TaskData
@@ -74,13 +75,14 @@ class LanguageModelTask(Task):
         return TaskData(train, validation, collate, None, a.eval_batches, "blocks", "tokens", record)
 
     def build_model(self, tokenizer) -> DerivForCausalLM:
-        config = DerivConfig(
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **self.args.model_overrides(),
-        )
+        with refused_as_usage("the model's shape (--hidden-size and the layer and head flags)"):
+            config = DerivConfig(
+                vocab_size=len(tokenizer),
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **self.args.model_overrides(),
+            )
         return DerivForCausalLM(config)
 
     def count_targets(self, batch: dict) -> torch.Tensor:

@@ -26,7 +26,7 @@ from accelerate import PartialState
 
 from ..data.conversations import default_conversations, hub_conversations, local_conversations
 from ..data.packing import LengthGroupedSampler
-from ..errors import UsageError
+from ..errors import MissingExtra, UsageError
 from ..modeling_deriv import DerivForCausalLM
 from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
 from .driver import run
@@ -390,7 +390,7 @@ def with_lora(model, args, say=print):
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
-        raise ValueError("--lora needs PEFT: pip install 'deriv-lm[lora]' (or pip install peft)") from error
+        raise MissingExtra("deriv train sft --lora", "lora") from error
     from ..modeling_deriv.lora_targets import quiet_peft_deprecations, register_peft_targets
 
     register_peft_targets()

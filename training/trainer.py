@@ -31,6 +31,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..errors import MissingFile, UsageError
 from .callbacks import EarlyStopping, TrainerCallback, TrainerControl, default_callbacks
 from .checkpoints import Checkpoints, TrainerState
 from .distributed import one_module_per_tied_embedding, settle_distributed_mode
@@ -98,7 +99,7 @@ class Trainer:
     def _prepare(self, model, train_dataset, eval_dataset) -> None:
         if self.args.gradient_checkpointing:
             if not model.supports_gradient_checkpointing:
-                raise ValueError(
+                raise UsageError(
                     f"--gradient-checkpointing: {type(model).__name__} does not support activation checkpointing"
                 )
             # non-reentrant: the checkpointed forward may take keyword arguments and works under torch.compile
@@ -120,7 +121,7 @@ class Trainer:
         if self.streaming:
             return  # a stream has no length: passes end when it does (`_stream_windows`)
         if len(self.train_dl) < window:
-            raise ValueError(
+            raise UsageError(
                 f"The training split gives {len(self.train_dl)} batch(es) per process, fewer than one accumulation "
                 f"window of {window}; use a smaller --batch-size or a larger corpus."
             )
@@ -227,7 +228,7 @@ class Trainer:
             return
         passed = state.step - state.epoch_start_step
         if passed == 0:
-            raise ValueError(
+            raise UsageError(
                 f"The training stream gives fewer than {window * self.args.batch_size} block(s) of "
                 f"{self.args.max_position_embeddings} tokens per process, one accumulation window; use a longer "
                 "stream, a smaller --batch-size or a shorter --context-length."
@@ -349,7 +350,7 @@ class Trainer:
         step = self.state.best_step
         path = self.checkpoints.at(step)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"--export best: the checkpoint of the best step {step} is gone ({path})")
+            raise MissingFile(f"--export best: the checkpoint of the best step {step} is gone ({path})")
         self.checkpoints.load_weights(path)
         self.accelerator.print(
             f"exporting the weights of step {step} (validation loss {self.state.best_val_loss:.4f})"
@@ -401,7 +402,7 @@ def check_compiler() -> None:
     compiler it fails at the first step, deep in a traceback; say so before anything runs."""
     names = (os.environ.get("CXX"), "g++", "c++", "clang++")
     if not any(name and shutil.which(name) for name in names):
-        raise ValueError(
+        raise UsageError(
             "--compile needs a C++ compiler (g++ or clang++) and none was found on the PATH; install one "
             "(e.g. apt-get install g++) or leave out --compile"
         )

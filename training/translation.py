@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from ..data.packing import LengthGroupedSampler, encoded_pairs
 from ..data.parallel import pairs_from_args, split_pairs
-from ..errors import UsageError
+from ..errors import UsageError, refused_as_usage
 from ..inference.evaluate import score
 from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
@@ -110,14 +110,15 @@ class TranslationTask(Task):
         return TaskData(train, validation, None, order, None, "pairs", "target tokens", record)
 
     def build_model(self, tokenizer) -> DerivForConditionalGeneration:
-        config = DerivSeq2SeqConfig(
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.bos_token_id,
-            **self.args.model_overrides(),
-        )
+        with refused_as_usage("the model's shape (--hidden-size and the layer and head flags)"):
+            config = DerivSeq2SeqConfig(
+                vocab_size=len(tokenizer),
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=tokenizer.bos_token_id,
+                **self.args.model_overrides(),
+            )
         return DerivForConditionalGeneration(config)
 
     def start(self, model, tokenizer, source, data):
