@@ -5,10 +5,11 @@ train_lm(TrainingArguments(max_steps=100))          # the `tiny` preset on the e
 """
 
 from .args import PRESETS, TRANSLATION_PRESETS, TrainingArguments, TranslationTrainingArguments
+from .callbacks import TrainerCallback, TrainerControl
 from .driver import run
 from .lm import LanguageModelTask, train_lm
 from .stops import NonFiniteLoss, TrainingInterrupted
-from .task import Task
+from .task import Outcome, Source, Task, TaskData
 from .trainer import Trainer
 from .translation import TranslationTask, train_translation
 
@@ -18,8 +19,13 @@ __all__ = [
     "TRANSLATION_PRESETS",
     "LanguageModelTask",
     "NonFiniteLoss",
+    "Outcome",
+    "Source",
     "Task",
+    "TaskData",
     "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
     "TrainingArguments",
     "TrainingInterrupted",
     "TranslationTask",
