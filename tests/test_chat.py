@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from deriv_lm.cli import main
 from deriv_lm.folder.load import load_folder
-from deriv_lm.training import chat as chat_module
+from deriv_lm.inference import chat as chat_module
 
 
 DATA = Path(__file__).parent / "data"
