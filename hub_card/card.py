@@ -7,6 +7,10 @@ data, training, compute and evaluation, the weights' header for the parameter co
 The card knows no task: what only one task says (its data, its hyperparameters, its scores, how to use it) is
 the task's own text, rendered at export into run.json's `card` (`folder.record.CardRecord`), inserted here as it
 is. Beyond that the card reads generic facts of the folder (its architecture, pipeline tag, languages).
+
+This module computes the card's values (numbers formatted, tables as rows, the task's texts); the prose and the
+layout are the Jinja template `templates/modelcard.md`, which `huggingface_hub.ModelCard.from_template` renders
+below the YAML header of `card_data`.
 """
 
 from __future__ import annotations
@@ -19,14 +23,7 @@ from ..folder.load import ModelFolder, code_files, read_folder
 from ..folder.record import RunRecord
 
 
-CITATION = """@inproceedings{vaswani2017attention,
-  title     = {Attention Is All You Need},
-  author    = {Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion
-               and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia},
-  booktitle = {Advances in Neural Information Processing Systems},
-  volume    = {30},
-  year      = {2017}
-}"""
+TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "modelcard.md")
 
 
 def parameter_count(folder: ModelFolder) -> int | None:
@@ -113,13 +110,15 @@ def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardDa
         language=_languages(folder),
         license=license,
         datasets=[dataset] if dataset else None,
-        tags=tags + ([] if run and run.base_model else ["from-scratch"]),
+        # subtle: a folder without run.json (one `deriv import` wrote) has an unknown origin, so no from-scratch
+        tags=tags + (["from-scratch"] if run and not run.base_model else []),
         eval_results=eval_results(folder) or None,
         base_model=run.base_model if run else None,
     )
 
 
-def _architecture(folder: ModelFolder) -> str:
+def _architecture(folder: ModelFolder) -> list[tuple[str, str]]:
+    """The architecture table's rows, from config.json and the parameter count."""
     c = folder.config
     params = parameter_count(folder)
     rows = [("parameters", f"{params:,}" if params is not None else "unknown")]
@@ -140,64 +139,26 @@ def _architecture(folder: ModelFolder) -> str:
         ("normalisation", "pre-LN" if c.get("pre_norm") else "post-LN (the paper's)"),
         ("vocabulary", f"{c['vocab_size']:,} tokens, embedding tied to the output projection"),
     ]
-    return "| | |\n| --- | --- |\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
+    return rows
 
 
-def _usage(folder: ModelFolder, repo: str) -> str:
-    """The task's own snippet, else one for the folder's pipeline tag."""
-    run = run_of(folder)
-    if run and run.card.usage:
-        return run.card.usage.replace("{repo}", repo)
-    if folder.pipeline_tag == "translation":
-        return f"""```python
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
-
-translator = pipeline(model="{repo}", trust_remote_code=True)  # the deriv-translation pipeline
-print(translator("Open the file")[0]["translation_text"])
-
-tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
-model = AutoModelForSeq2SeqLM.from_pretrained("{repo}", trust_remote_code=True)
-inputs = tokenizer(["Save changes?"], return_tensors="pt")
-print(tokenizer.batch_decode(model.generate(**inputs, num_beams=4), skip_special_tokens=True))
-```"""
-    return f"""```python
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-tokenizer = AutoTokenizer.from_pretrained("{repo}", trust_remote_code=True)
-model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True)
-generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-print(generator("Return the", max_new_tokens=40)[0]["generated_text"])
-```"""
-
-
-def _training(folder: ModelFolder) -> str:
-    run = run_of(folder)
+def _task_texts(run: RunRecord | None, repo: str) -> dict[str, str]:
+    """The task's own sections, without trailing newlines (the template spaces the sections); empty: none."""
     if run is None:
-        return (
-            "## Training\n\nThis folder has no training records (`run.json`): it was not written by `deriv train`, "
-            "so this card states no training data, hyperparameters, compute or evaluation results.\n"
-        )
-    data, t, hw, p, tok = run.data, run.training, run.hardware, run.procedure, run.tokenizer
-    lines = ["## Tokenizer\n"]
-    source = (
-        f"The tokenizer of `{run.base_model}`"
-        if run.base_model
-        else ("Byte-level BPE trained with `tokenizers` on the training data")
-    )
-    lines.append(
-        f"{source}: {tok.vocab_size:,} ids, "
-        f"{tok.characters_per_token:.2f} characters per token, special tokens "
-        + ", ".join(f"`{s}`" for s in tok.special_tokens)
-        + ".\n"
-    )
-    lines.append("## Training data\n")
-    lines.append(
-        run.card.data
-        or f"{data.corpus}: {data.train if data.train is not None else 'streamed'} training and "
-        f"{data.validation:,} validation {data.unit}.\n"
-    )
-    lines.append("## Training procedure\n")
-    hyper = [
+        return {}
+    card = run.card
+    return {
+        "data": card.data.rstrip("\n"),
+        "evaluation": card.evaluation.rstrip("\n"),
+        "usage": card.usage.replace("{repo}", repo).rstrip("\n"),
+        "limitations": card.limitations,
+    }
+
+
+def _run_values(folder: ModelFolder, run: RunRecord) -> dict:
+    """The numbers of the tokenizer, data, procedure, compute and evaluation sections, formatted for the card."""
+    data, t, hw, p, tok, m = run.data, run.training, run.hardware, run.procedure, run.tokenizer, run.metrics
+    procedure = [
         ("preset", p.preset),
         ("optimizer", f"{p.optimizer} (betas {p.adam_beta1}, {p.adam_beta2}), weight decay {p.weight_decay}"),
         ("learning rate", f"{p.learning_rate}, {p.lr_schedule} schedule, {p.warmup_steps} warmup steps"),
@@ -209,95 +170,62 @@ def _training(folder: ModelFolder) -> str:
         ("gradient clipping", p.max_grad_norm),
         ("seed", p.seed),
     ]
-    hyper += [tuple(row) for row in run.card.procedure]
-    lines.append("| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in hyper) + "\n")
-    device = hw.gpu or f"CPU ({hw.processor}, {hw.torch_threads} threads)"
-    lines.append("## Compute\n")
-    lines.append(
-        f"{t.steps:,} optimizer steps, {t.tokens_seen:,} {t.token_kind} seen, "
-        f"{t.wall_seconds / 60:.1f} minutes of wall time on {hw.processes} x {device}, mixed precision "
-        f"`{hw.mixed_precision}`; torch {run.versions['torch']}, "
-        f"transformers {run.versions['transformers']}.\n"
+    procedure += [tuple(row) for row in run.card.procedure]
+    return dict(
+        tokenizer=dict(
+            vocab_size=f"{tok.vocab_size:,}",
+            characters_per_token=f"{tok.characters_per_token:.2f}",
+            special_tokens=", ".join(f"`{s}`" for s in tok.special_tokens),
+        ),
+        data=dict(
+            corpus=data.corpus,
+            train=data.train if data.train is not None else "streamed",
+            validation=f"{data.validation:,}",
+            unit=data.unit,
+        ),
+        procedure=procedure,
+        compute=dict(
+            steps=f"{t.steps:,}",
+            tokens_seen=f"{t.tokens_seen:,}",
+            token_kind=t.token_kind,
+            minutes=f"{t.wall_seconds / 60:.1f}",
+            processes=hw.processes,
+            device=hw.gpu or f"CPU ({hw.processor}, {hw.torch_threads} threads)",
+            mixed_precision=hw.mixed_precision,
+            torch=run.versions["torch"],
+            transformers=run.versions["transformers"],
+        ),
+        loss_plot=folder.has("loss.png"),
+        perplexity=(
+            dict(value=f"{m.val_perplexity:.2f}", loss=f"{m.val_loss:.4f}") if m.val_perplexity is not None else None
+        ),
     )
-    if folder.has("loss.png"):
-        lines.append("![Training and validation loss](loss.png)\n")
-    return "\n".join(lines)
-
-
-def _evaluation(folder: ModelFolder) -> str:
-    """The task's own words on its scores, else the validation perplexity."""
-    run = run_of(folder)
-    if not run:
-        return ""
-    m = run.metrics
-    lines = ["## Evaluation\n"]
-    if run.card.evaluation:
-        lines.append(run.card.evaluation)
-    elif m.val_perplexity is not None:
-        lines.append(f"Validation perplexity: **{m.val_perplexity:.2f}** (loss {m.val_loss:.4f} nats per token).\n")
-    return "\n".join(lines)
 
 
 def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> ModelCard:
     """The card for the folder at `path`; usage snippets name `repo_id` (default: the folder's name)."""
     folder = read_folder(path)
-    name = os.path.basename(os.path.abspath(folder.path))
-    repo = repo_id or name
+    repo = repo_id or os.path.basename(os.path.abspath(folder.path))
+    title = repo.split("/")[-1]
+    run = run_of(folder)
+    c = folder.config
     kind = "encoder-decoder model" if folder.is_seq2seq else "decoder-only language model"
-    data = card_data(folder, repo.split("/")[-1], license)
-    attention = ", cross-attention from the decoder to the encoder" if folder.is_seq2seq else " with a causal mask"
-    run = run_of(folder)
-    made = (
-        f"fine-tuned with Deriv (the `deriv-lm` package) from `{run.base_model}`"
-        if run and run.base_model
-        else "built and trained from scratch with Deriv (the `deriv-lm` package)"
+    values = dict(
+        title=title,
+        repo=repo,
+        kind=run.card.kind if run and run.card.kind else kind,
+        recorded=run is not None,
+        base_model=run.base_model if run else None,
+        seq2seq=folder.is_seq2seq,
+        # subtle: the prose follows config.json, so an imported GPT-2 is not described with the paper's choices
+        scaled_embedding=c.get("scale_embedding", True),
+        positions=c["position_embedding_type"],
+        architecture=_architecture(folder),
+        task=_task_texts(run, repo),
+        code_files=", ".join(f"`{name}`" for name in code_files(folder)),
+        **(_run_values(folder, run) if run else {}),
     )
-    if run and run.card.kind:
-        kind = run.card.kind
-    body = f"""
-# {repo.split("/")[-1]}
-
-A Transformer {kind} in the architecture of Vaswani et al. (2017), "Attention Is All You Need",
-{made}: token embedding scaled by sqrt(d_model), sinusoidal positions,
-multi-head scaled dot-product attention{attention},
-position-wise feed-forward networks, residual connections with LayerNorm, and an output projection tied to the
-embedding. The folder carries its own modeling code, so `transformers` loads it with `trust_remote_code=True`;
-nothing else needs to be installed.
-
-## Architecture
-
-{_architecture(folder)}
-
-{_training(folder)}
-{_evaluation(folder)}
-## How to use
-
-{_usage(folder, repo)}
-
-`trust_remote_code=True` runs the Python files in this repository (`{"`, `".join(code_files(folder))}`); read them
-first. The generation defaults are in `generation_config.json`.
-
-## Intended use and limitations
-
-{_limitations(folder)}
-
-## Citation
-
-```bibtex
-{CITATION}
-```
-"""
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-
-
-def _limitations(folder: ModelFolder) -> str:
-    """The task's words on what the model is for, then the card's on its scale."""
-    run = run_of(folder)
-    scale = (
-        "It is a small model trained briefly, to learn from and to build on: expect fluent fragments, not "
-        "reliable text."
-    )
-    return f"{run.card.limitations} {scale}" if run and run.card.limitations else scale
+    return ModelCard.from_template(card_data(folder, title, license), template_path=TEMPLATE, **values)
 
 
 def write_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> str:

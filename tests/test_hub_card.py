@@ -105,9 +105,30 @@ def test_a_folder_without_training_records_says_so(lm_folder, tmp_path):
     card = build_card(folder)
     assert card.data.eval_results is None and "model-index" not in card.content
     assert "has no training records" in card.text and "optimizer steps" not in card.text
+    # nor does it claim an origin it has no record of (a `deriv import`ed folder was not trained by Deriv)
+    assert "from-scratch" not in card.data.tags and "trained from scratch" not in card.text
     run = json.loads((lm_folder / "run.json").read_text())
     # the parameter count still comes from the weights themselves
     assert f"| parameters | {run['model']['parameters']:,} |" in card.text
+
+
+def test_the_card_is_rendered_from_the_template_shipped_in_the_package(lm_folder, tmp_path, monkeypatch):
+    from importlib.resources import files
+
+    from deriv_lm.hub_card import card as card_module
+
+    shipped = files("deriv_lm.hub_card") / "templates" / "modelcard.md"
+    assert shipped.is_file() and str(shipped) == card_module.TEMPLATE
+    text = shipped.read_text(encoding="utf-8")
+    assert "## Intended use and limitations" in text and "{{ card_data }}" in text
+    # a marker section added to a copy of the template appears in the card, with the YAML header above it
+    marked = tmp_path / "modelcard.md"
+    marked.write_text(text.replace("## Citation", "## Marker\n\nrendered from {{ title }}\n\n## Citation"))
+    monkeypatch.setattr(card_module, "TEMPLATE", str(marked))
+    card = build_card(lm_folder, repo_id="someone/deriv-lm")
+    assert "## Marker\n\nrendered from deriv-lm\n\n## Citation" in card.text
+    assert card.data.pipeline_tag == "text-generation" and card.content.startswith("---\n")
+    assert card.content.endswith("```\n")  # jinja2 drops a template's last newline; the card keeps its own
 
 
 # ---- completeness and the dry run -------------------------------------------------------------------
