@@ -148,7 +148,7 @@ def test_the_fsdp_export_is_the_whole_model_and_loads_in_a_clean_process(fsdp_ru
 
 def stopped_at_step_4(args, folder):
     """A copy of the FSDP run as a kill after step 4 would have left it: its step-4 checkpoint, no export."""
-    copy = tiny_args(folder, None, **{**vars(args), "output_dir": str(folder / "run")})
+    copy = tiny_args(folder, None, **{**args.to_dict(), "output_dir": str(folder / "run")})
     shutil.copytree(args.output_dir, copy.output_dir)
     shutil.rmtree(os.path.join(copy.checkpoint_dir, "step-0000008"))
     os.remove(os.path.join(copy.output_dir, "model.safetensors"))

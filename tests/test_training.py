@@ -223,7 +223,7 @@ def test_missing_text_column(tmp_path):
 
 def test_resume_with_another_model_shape_is_a_clear_error(trained_run, tmp_path):
     args = TrainingArguments(
-        **{**vars(trained_run), "hidden_size": 64, "resume": True, "max_steps": trained_run.max_steps + 4}
+        **{**trained_run.to_dict(), "hidden_size": 64, "resume": True, "max_steps": trained_run.max_steps + 4}
     )
     with pytest.raises(ValueError, match="does not match this model"):
         train_lm(args, cpu=True)
@@ -368,7 +368,7 @@ def test_shipped_accelerate_configs_load(name):
 def test_a_fresh_run_in_a_used_folder_starts_clean(tmp_path, corpus_file):
     args = tiny_args(tmp_path, corpus_file, max_steps=8, save_every=4, eval_every=1000)
     train_lm(args, cpu=True)
-    again = TrainingArguments(**{**vars(args), "max_steps": 4})
+    again = TrainingArguments(**{**args.to_dict(), "max_steps": 4})
     train_lm(again, cpu=True)
     assert os.listdir(args.checkpoint_dir) == ["step-0000004"]  # not step-8 of the earlier run
     steps = [json.loads(line)["step"] for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
