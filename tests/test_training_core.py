@@ -220,8 +220,9 @@ def test_the_card_reads_only_fields_of_the_run_record_schema():
     assert unknown == []
 
 
-def test_a_record_that_is_not_the_schema_is_refused_by_name(tmp_path):
-    good = {
+def old_record(version: int) -> dict:
+    """A run.json of an earlier schema version, as a causal-lm run wrote it."""
+    return {
         "task": "causal-lm",
         "arguments": {},
         "data": dict(corpus="c", dataset=None, unit="blocks", train=1, validation=1, test=None, context_length=8),
@@ -248,8 +249,12 @@ def test_a_record_that_is_not_the_schema_is_refused_by_name(tmp_path):
         ),
         "versions": {"torch": "2"},
         "metrics": {"val_loss": 1.0, "val_perplexity": 2.7},
-        "schema_version": 2,
+        "schema_version": version,
     }
+
+
+def test_a_record_that_is_not_the_schema_is_refused_by_name(tmp_path):
+    good = old_record(2)
     assert RunRecord.from_dict(good).procedure.learning_rate == 1e-3
     renamed = json.loads(json.dumps(good))
     renamed["procedure"]["lr"] = renamed["procedure"].pop("learning_rate")
@@ -266,37 +271,11 @@ def test_a_record_that_is_not_the_schema_is_refused_by_name(tmp_path):
 def test_a_version_3_record_reads_with_the_tasks_fields_moved_into_their_own_dicts():
     """Version 3 held translation's and the chat task's numbers in fixed fields; version 4 reads them from the
     task's own `procedure.task` and `metrics.task`, and a version-3 file still reads (with no card text)."""
-    v3 = {
-        "task": "translation",
-        "arguments": {},
-        "data": dict(corpus="c", dataset=None, unit="pairs", train=1, validation=1, test=1, context_length=8),
-        "tokenizer": dict(vocab_size=300, characters_per_token=3.0, special_tokens=["<pad>"]),
-        "model": dict(parameters=10, config={}),
-        "procedure": dict(
-            preset="tiny",
-            optimizer="AdamW",
-            adam_beta1=0.9,
-            adam_beta2=0.98,
-            weight_decay=0.1,
-            learning_rate=1e-3,
-            lr_schedule="cosine",
-            warmup_steps=1,
-            batch_size=2,
-            gradient_accumulation_steps=1,
-            dropout=0.1,
-            max_grad_norm=1.0,
-            seed=0,
-            label_smoothing=0.1,
-            lora=None,
-        ),
-        "training": dict(steps=1, tokens_seen=2, train_seconds=0.1, wall_seconds=0.2),
-        "hardware": dict(
-            device="cpu", processes=1, mixed_precision="no", torch_threads=2, platform="p", processor="x", gpu=None
-        ),
-        "versions": {"torch": "2"},
-        "metrics": {"val_loss": 1.0, "val_perplexity": 2.7, "bleu": 12.5, "examples": [], "base_val_loss": None},
-        "schema_version": 3,
-    }
+    v3 = old_record(3)
+    v3["task"] = "translation"
+    v3["data"].update(unit="pairs", test=1)
+    v3["procedure"].update(label_smoothing=0.1, lora=None)
+    v3["metrics"].update(bleu=12.5, examples=[], base_val_loss=None)
     record = RunRecord.from_dict(v3)
     assert record.schema_version == 4
     assert record.procedure.task == {"label_smoothing": 0.1}
