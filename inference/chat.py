@@ -60,8 +60,8 @@ def fit_to_context(conversation: Conversation, tokenizer, context: int, wanted: 
 
 
 def read_message(stdin: TextIO, prompt: bool) -> str | None:
-    """One line from the user, or None at the end of input; the `you> ` prompt only for a person at a terminal,
-    so piped input gives output that is just the replies."""
+    """One line from the user, or None at the end of input; the `you> ` prompt only for a person at a terminal
+    (piped input is echoed instead, see `chat`)."""
     if prompt:
         try:
             return input("you> ")
@@ -90,7 +90,10 @@ def answer(model, tokenizer, ids: list[int], options: dict, processors) -> str:
 
 
 def chat(model, tokenizer, conversation: Conversation, options: dict, processors, stdin: TextIO | None = None) -> None:
-    """The loop: read a message, answer it within the context, remember both; an empty line or EOF ends it."""
+    """The loop: read a message, answer it within the context, remember both; an empty line or EOF ends it.
+
+    With piped input nobody sees what was typed, so each message is echoed as `> message` and each reply is
+    followed by a blank line: the output reads as a transcript, one turn after another."""
     stdin = stdin or sys.stdin  # read when called, so a replaced sys.stdin is the one read
     context = model.config.max_position_embeddings
     wanted = min(options.pop("max_new_tokens"), context - 1)
@@ -101,6 +104,8 @@ def chat(model, tokenizer, conversation: Conversation, options: dict, processors
             conversation.reset()
             print("deriv: note: the conversation is cleared", file=sys.stderr)
             continue
+        if not prompt:
+            print(f"> {text}", flush=True)
         conversation.turns.append({"role": "user", "content": text})
         ids, dropped = fit_to_context(conversation, tokenizer, context, wanted)
         if dropped and not told:
@@ -120,3 +125,5 @@ def chat(model, tokenizer, conversation: Conversation, options: dict, processors
         budget = {**options, "max_new_tokens": min(wanted, context - len(ids))}
         reply = answer(model, tokenizer, ids, budget, processors)
         conversation.turns.append({"role": "assistant", "content": reply})
+        if not prompt:
+            print(flush=True)  # the blank line that ends a turn in the transcript

@@ -65,6 +65,17 @@ def chat(folder, lines: str, *flags, capsys, monkeypatch) -> tuple[str, str]:
     return captured.out, captured.err
 
 
+def transcript(out: str) -> list[tuple[str, str]]:
+    """(message, reply) per turn of a piped chat's output: `> message`, the reply, a blank line."""
+    assert out.endswith("\n\n") or not out, out
+    turns = []
+    for block in out.removesuffix("\n\n").split("\n\n") if out else []:
+        echo, _, reply = block.partition("\n")
+        assert echo.startswith("> "), block
+        turns.append((echo.removeprefix("> "), reply))
+    return turns
+
+
 def greedy_reply(loaded, messages: list[dict], max_new_tokens: int = 32) -> tuple[str, list[int]]:
     """The reply `generate()` gives to the conversation rendered in the template, and its new ids."""
     ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
@@ -78,7 +89,7 @@ def greedy_reply(loaded, messages: list[dict], max_new_tokens: int = 32) -> tupl
 
 def test_each_reply_is_generate_on_the_conversation_so_far(numbers_chat, loaded, seen, capsys, monkeypatch):
     out, _ = chat(numbers_chat, "5 3 1 8 :\n7 2 :\n", *GREEDY, capsys=capsys, monkeypatch=monkeypatch)
-    messages, expected = [], ""
+    messages, expected = [], []
     for number, text in enumerate(["5 3 1 8 :", "7 2 :"]):
         messages.append({"role": "user", "content": text})
         rendered = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
@@ -86,15 +97,22 @@ def test_each_reply_is_generate_on_the_conversation_so_far(numbers_chat, loaded,
         reply, new = greedy_reply(loaded, messages)
         assert new[-1] == loaded.tokenizer.eos_token_id and len(new) < 32  # the turn ended at <eos>
         messages.append({"role": "assistant", "content": reply})
-        expected += reply + "\n"
-    assert out == expected and "five thousand" in out and "seventy two" in out
-    assert "<eos>" not in out and "you>" not in out  # piped input: the replies alone
+        expected.append((text, reply))
+    assert transcript(out) == expected and "five thousand" in out and "seventy two" in out
+    assert "<eos>" not in out and "you>" not in out  # piped input: no prompt
+
+
+def test_piped_input_reads_as_a_transcript(numbers_chat, capsys, monkeypatch):
+    """Nobody sees piped input, so each message is echoed before its reply and a blank line ends each turn."""
+    out, _ = chat(numbers_chat, "5 3 1 8 :\n7 2 :\n", *GREEDY, capsys=capsys, monkeypatch=monkeypatch)
+    assert out == "> 5 3 1 8 :\n five thousand three hundred eighteen\n\n> 7 2 :\n seventy two\n\n"
 
 
 def test_a_conversation_past_the_context_drops_its_oldest_turns(numbers_chat, loaded, seen, capsys, monkeypatch):
     lines = "5 3 1 8 :\n7 2 :\n4 4 4 :\n9 0 1 :\n6 6 :\n"
     out, err = chat(numbers_chat, lines, *GREEDY, capsys=capsys, monkeypatch=monkeypatch)
-    assert len(out.splitlines()) == 5 and out.splitlines()[-1].strip() == "sixty six"
+    turns = transcript(out)
+    assert len(turns) == 5 and turns[-1] == ("6 6 :", " sixty six")
     assert err.count("its oldest turns are dropped") == 1  # said once
     assert all(len(ids) + 32 <= 64 for ids in seen)  # every turn left room for the reply
     last = loaded.tokenizer.decode(seen[-1])
@@ -108,7 +126,7 @@ def test_reset_and_an_empty_line(numbers_chat, loaded, seen, capsys, monkeypatch
     assert "cleared" in err and len(seen) == 2  # the empty line ended the conversation before "4 4 :"
     fresh = [{"role": "user", "content": "7 2 :"}]
     assert seen[1] == loaded.tokenizer.apply_chat_template(fresh, add_generation_prompt=True, return_dict=False)
-    assert out.splitlines()[-1] == greedy_reply(loaded, fresh)[0]
+    assert transcript(out)[-1] == ("7 2 :", greedy_reply(loaded, fresh)[0])
 
 
 def test_an_old_folder_chats_with_a_system_message_and_typed_eos_is_text(seen, capsys, monkeypatch):
@@ -118,7 +136,8 @@ def test_an_old_folder_chats_with_a_system_message_and_typed_eos_is_text(seen, c
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.decode(seen[0]) == "<bos><|system|>\nBe brief.<eos>\n<|user|>\nhi <eos><eos>\n<|assistant|>\n"
     assert seen[0].count(tokenizer.eos_token_id) == 2  # the typed <eos> is five characters, not the token
-    assert len(seen[1]) > len(seen[0]) + 5 and out.count("\n") == 2  # (the model's reply to chat is noise)
+    assert len(seen[1]) > len(seen[0]) + 5  # (the model's reply to chat is noise)
+    assert [message for message, _ in transcript(out)] == ["hi <eos>", "again"]
 
 
 def test_sampling_flags_are_honoured(numbers_chat, loaded, capsys, monkeypatch):
@@ -126,8 +145,9 @@ def test_sampling_flags_are_honoured(numbers_chat, loaded, capsys, monkeypatch):
     short, _ = chat(
         numbers_chat, "5 3 1 8 :\n", "--max-new-tokens", "2", *GREEDY, capsys=capsys, monkeypatch=monkeypatch
     )
-    assert short == greedy_reply(loaded, messages, max_new_tokens=2)[0] + "\n"
-    assert greedy_reply(loaded, messages)[0].startswith(short[:-1]) and len(short) < 12  # cut short
+    [(_, short)] = transcript(short)
+    assert short == greedy_reply(loaded, messages, max_new_tokens=2)[0]
+    assert greedy_reply(loaded, messages)[0].startswith(short) and len(short) < 12  # cut short
     hot = ["--temperature", "5", "--top-k", "0"]
     runs = {chat(numbers_chat, "5 3 :\n", *hot, "--seed", s, capsys=capsys, monkeypatch=monkeypatch)[0] for s in "001"}
     assert len(runs) == 2  # the same seed samples the same reply, another seed another
