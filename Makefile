@@ -20,6 +20,9 @@ LOCK := constraints/lock.txt
 OLDEST := constraints/oldest.txt
 STAMP := $(VENV)/.deriv-installed
 PIP := -m pip install --quiet --disable-pip-version-check
+# `make setup` shows what pip does (a line per package, download bars on a terminal): its first run takes minutes,
+# and a silent one looks hung. subtle: $(shell) captures stdout, so the terminal test looks at stderr.
+SETUP_PIP := -m pip install --disable-pip-version-check --progress-bar $(shell test -t 2 && echo on || echo off)
 
 .PHONY: setup test test-oldest test-newest test-all lock train train-translation lint lint-imports bench \
 	bench-seq2seq bench-tokenizer clean
@@ -27,10 +30,14 @@ PIP := -m pip install --quiet --disable-pip-version-check
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(LOCK)
+	@echo "setup: creating $(VENV) (a virtual environment for $(PYTHON))"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) $(PIP) "$(TORCH)"
-	$(PY) $(PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve,trl]"
+	@echo "setup: installing $(TORCH) (the CPU build on this project's CI machines; about a minute)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) $(SETUP_PIP) "$(TORCH)"
+	@echo "setup: installing deriv-lm and its dependencies at the versions in $(LOCK) (a few minutes)"
+	$(PY) $(SETUP_PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve,trl]"
 	touch $(STAMP)
+	@echo "setup: done; $(VENV)/bin/deriv is the deriv command"
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
