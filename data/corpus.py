@@ -10,8 +10,10 @@ import argparse
 import ast
 import functools
 import glob
+import itertools
 import os
 import platform
+import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -130,6 +132,40 @@ def _expand(paths: str | list[str]) -> list[str]:
 
 def _read_text_file(path: str) -> Iterator[str]:
     """A .txt file as one document; a decoding error names the file and the byte offset."""
+    text = _text_of(path)
+    if text.strip():
+        yield text
+
+
+# A lone .txt file without a blank line is cut into documents of this many lines (`split_text`).
+LINES_PER_DOCUMENT = 100
+
+
+def split_text(text: str) -> list[str]:
+    r"""One text file's documents: its paragraphs (blocks of lines between blank lines), or, when it has no blank
+    line, runs of `LINES_PER_DOCUMENT` lines. A line is never cut, and the same text always gives the same documents.
+
+        "a\nb\n\n\nc\n" -> ["a\nb", "c"]
+
+    Why not a document per line, as run_clm.py's `text` loader reads a file: the documents are shuffled before
+    they are split and packed, so wrapped prose would be trained on in a jumbled order of its lines, with <eos>
+    at each line break. nanoGPT cuts its one file by characters (90/10), which keeps a paragraph whole only by
+    chance; litgpt's TextFiles refuses one file. Blank lines are where a plain text file says a passage ends.
+    """
+    paragraphs = [p.lstrip("\r\n").rstrip() for p in _BLANK_LINES.split(text)]
+    paragraphs = [p for p in paragraphs if p.strip()]
+    if len(paragraphs) != 1:
+        return paragraphs
+    lines = paragraphs[0].split("\n")
+    chunks = ["\n".join(lines[i : i + LINES_PER_DOCUMENT]) for i in range(0, len(lines), LINES_PER_DOCUMENT)]
+    return [c for c in chunks if c.strip()]
+
+
+_BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # lines holding only whitespace end a paragraph
+
+
+def _text_of(path: str) -> str:
+    """The text of a .txt file; a decoding error names the file and the byte offset."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -139,8 +175,7 @@ def _read_text_file(path: str) -> Iterator[str]:
         ) from error
     except OSError as error:
         raise OSError(f"{path}: cannot be read ({error.strerror})") from error
-    if text.strip():
-        yield text
+    return text
 
 
 def _table_column(path: str, column: str, streaming: bool = False) -> Iterator[str]:
@@ -179,9 +214,16 @@ def _streamed_column(table, path: str, column: str) -> Iterator[str]:
 
 
 def local_corpus(paths: str | list[str], text_column: str = "text", streaming: bool = False) -> Corpus:
-    """Local files: .txt (the whole file is one document), or the `text_column` of .jsonl/.json/.csv/.parquet
-    (with `streaming`, read row by row without writing `datasets`' Arrow cache)."""
+    """Local files: .txt, or the `text_column` of .jsonl/.json/.csv/.parquet (with `streaming`, read row by row
+    without writing `datasets`' Arrow cache). Among several files a .txt file is one document; a lone .txt file
+    is a corpus of its own, split into documents at blank lines (`split_text`)."""
     files = _expand(paths)
+    if len(files) == 1 and files[0].endswith(".txt"):
+        return Corpus(
+            f"local: {files[0]}, split into documents at blank lines",
+            lambda: iter(split_text(_text_of(files[0]))),
+            tuple(files),
+        )
 
     def documents() -> Iterator[str]:
         for path in files:
@@ -191,6 +233,26 @@ def local_corpus(paths: str | list[str], text_column: str = "text", streaming: b
                 yield from _table_column(path, text_column, streaming)
 
     return Corpus(f"local: {len(files)} file(s) from {paths}", documents, tuple(files))
+
+
+def too_few_documents(corpus: Corpus, needed: int, why: str) -> None:
+    """Refuse a corpus of local files that gives fewer than `needed` documents, before anything is built from it
+    (reading stops at the `needed`-th). `why`: what the documents are needed for."""
+    if not corpus.files:
+        return  # the embedded corpus is large; a dataset is not read twice to count it
+    found = sum(1 for _ in itertools.islice(corpus, needed))
+    if found >= needed:
+        return
+    if len(corpus.files) == 1 and corpus.files[0].endswith(".txt"):
+        fix = (
+            f"add text, or separate its documents with blank lines (a file without any is cut every "
+            f"{LINES_PER_DOCUMENT} lines)"
+        )
+    else:
+        fix = "add text or files (among several files each .txt file is one document)"
+    names = ", ".join(corpus.files) if len(corpus.files) <= 3 else f"the {len(corpus.files)} files"
+    give = "gives" if len(corpus.files) == 1 else "give"
+    raise UsageError(f"{names} {give} {found} document(s); at least {needed} are needed {why}: {fix}.")
 
 
 def _is_saved_dataset(folder: str) -> bool:

@@ -13,7 +13,7 @@ from itertools import islice
 
 import torch
 
-from ..data.corpus import corpus_from_args
+from ..data.corpus import corpus_from_args, too_few_documents
 from ..data.packing import lm_datasets, split_documents
 from ..data.streaming import held_out_documents, stream_datasets, tokenizer_sample
 from ..errors import refused_as_usage
@@ -147,4 +147,19 @@ def data_text(data: dict) -> str:
 
 def train_lm(args, cpu: bool = False) -> str:
     """Train a Deriv language model as `args` (a `TrainingArguments`) say; returns the exported folder."""
+    check_corpus_size(args)
     return run(args, LanguageModelTask(args), cpu=cpu)
+
+
+def check_corpus_size(args) -> None:
+    """Local files too few documents to split are refused before any model is loaded or tokenizer trained."""
+    corpus = corpus_from_args(args) if args.files else None
+    if corpus is None:
+        return
+    if args.streaming:
+        count = args.validation_documents
+        needed = count + 1
+        why = f"to hold out --validation-documents {count} and train on the rest (or pass a smaller one)"
+    else:
+        needed, why = 2, "to hold out a validation split"
+    too_few_documents(corpus, needed, why)
