@@ -139,7 +139,8 @@ def encoded_pairs(pairs, tokenizer, max_length: int, cache_dir: str | None = Non
         # special-token spellings in the text stay text; only this code appends <eos>
         plain = dict(add_special_tokens=False, split_special_tokens=True, verbose=False)
         sources = tokenizer(batch["source"], **plain).input_ids
-        targets = [t + [eos] for t in tokenizer(batch["target"], **plain).input_ids]
+        # text_target: a tokenizer with a target side of its own (Marian's second SentencePiece model) uses it
+        targets = [t + [eos] for t in tokenizer(text_target=batch["target"], **plain).input_ids]
         return {
             "input_ids": sources,
             "labels": targets,

@@ -362,6 +362,16 @@ def code_files(folder: ModelFolder) -> list[str]:
     return needed
 
 
+# The files a tokenizer keeps its vocabulary in: the fast one's, or the SentencePiece models a slow one reads
+# (OPUS-MT's MarianTokenizer: source.spm and target.spm, no fast twin; T5's spiece.model; Llama's tokenizer.model).
+TOKENIZER_FILES = ("tokenizer.json", "source.spm", "spiece.model", "tokenizer.model", "sentencepiece.bpe.model")
+
+
+def tokenizer_file(path: str | os.PathLike) -> str | None:
+    """The file of `TOKENIZER_FILES` the folder holds (its vocabulary), or None when it has no tokenizer."""
+    return next((name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))), None)
+
+
 def missing_files(folder: ModelFolder) -> list[str]:
     """Problems that would stop a Hub user, each naming the file; empty when the folder is complete."""
     problems = []
@@ -372,7 +382,7 @@ def missing_files(folder: ModelFolder) -> list[str]:
         problems.append("model.safetensors is missing (the weights)")
     for name, what in (
         ("generation_config.json", "the generation defaults"),
-        ("tokenizer.json", "the tokenizer"),
+        (tokenizer_file(folder.path) or "tokenizer.json", "the tokenizer"),
         ("tokenizer_config.json", "the tokenizer's settings"),
         ("README.md", "the model card; write it with `deriv card FOLDER`"),
     ):

@@ -188,6 +188,8 @@ def make_portable(folder: str | os.PathLike) -> None:
     keeps the chat template only in `chat_template.jinja`; 4.x reads `PreTrainedTokenizerFast`
     and (before 4.50) the template from `tokenizer_config.json`. Both readers accept this form.
     """
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):  # a SentencePiece one (OPUS-MT's) keeps its class
+        return
     path = os.path.join(folder, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
@@ -200,6 +202,9 @@ def make_portable(folder: str | os.PathLike) -> None:
 
 def characters_per_token(tokenizer, documents: list[str]) -> float:
     """Characters of text per token: how much each token of the model's context carries."""
+    if not hasattr(tokenizer, "backend_tokenizer"):  # a SentencePiece tokenizer (an imported OPUS-MT's)
+        tokens = sum(map(len, tokenizer(documents, add_special_tokens=False).input_ids))
+        return sum(map(len, documents)) / max(1, tokens)
     # subtle: a batched `tokenizer(..., padding=True)` leaves padding (and truncation) switched on in the
     # backend, and encode_batch would then count pad tokens; measure with a clean copy.
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())

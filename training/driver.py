@@ -20,6 +20,7 @@ from collections.abc import Sized
 from accelerate.utils import DistributedType
 
 from ..errors import MissingFile, UsageError
+from ..folder.load import tokenizer_file
 from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tokens_with, train_bpe
 from .distributed import describe, whole_model
 from .export import export_folder, run_record
@@ -78,9 +79,10 @@ def load_or_train_tokenizer(args, texts, accelerator):
     given = args.init_from or args.tokenizer
     folder = given or os.path.join(args.output_dir, "tokenizer")
     with accelerator.main_process_first():  # one process trains and saves; the others then load
-        if not os.path.exists(os.path.join(folder, "tokenizer.json")):
-            if given:
-                raise MissingFile(f"No tokenizer.json in {given}")
+        # subtle: a given folder may keep a tokenizer with no tokenizer.json (an imported OPUS-MT's SentencePiece)
+        if given and tokenizer_file(given) is None:
+            raise MissingFile(f"No tokenizer.json in {given}")
+        if not given and not os.path.exists(os.path.join(folder, "tokenizer.json")):
             progress = args.progress and accelerator.is_main_process
             tokenizer, summary = train_bpe(texts(), args.vocab_size, special_tokens_with(), progress=progress)
             save_tokenizer(tokenizer, folder, model_max_length=args.max_position_embeddings)

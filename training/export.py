@@ -142,8 +142,9 @@ def export_folder(
     """
     # subtle: batched calls with padding=True / truncation (the BLEU decode) leave that state in the backend,
     # and save_pretrained writes it into tokenizer.json, where plain `tokenizers` users would inherit it.
-    tokenizer.backend_tokenizer.no_padding()
-    tokenizer.backend_tokenizer.no_truncation()
+    if hasattr(tokenizer, "backend_tokenizer"):  # a SentencePiece tokenizer (an imported OPUS-MT's) has none
+        tokenizer.backend_tokenizer.no_padding()
+        tokenizer.backend_tokenizer.no_truncation()
     with atomic_directory(output_dir) as tmp:
         if pipeline_class is not None:
             # Pipeline.save_pretrained writes custom_pipelines, copies the pipeline module, then saves the
