@@ -126,7 +126,7 @@ class RunArguments:
     )
     resume: bool = arg(False, "continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints")
     samples: int = arg(3, "texts generated (or translated) at the end")
-    progress: bool = arg(True, "show progress bars")
+    progress: bool = arg(True, "progress bars while the data is prepared and the model trains (--no-progress: none)")
 
     def __post_init__(self) -> None:
         _positive(self, "log_every", "eval_every", "save_every", "keep_checkpoints")
@@ -296,6 +296,11 @@ class OptimizationArguments:
             check_range(name, getattr(self, name), minimum=0, below=1)
         _choice(self, "lr_schedule")
         _choice(self, "mixed_precision")
+        if self.lr_schedule == "inverse_sqrt" and self.warmup_steps == 0:
+            raise UsageError(
+                "`warmup_steps` must be at least 1 with `lr_schedule` inverse_sqrt: its peak is at the end of the "
+                "warmup (lr = learning_rate * min(step / warmup, sqrt(warmup / step)))"
+            )
 
 
 @dataclass
@@ -461,6 +466,41 @@ class Settings:
     def model_overrides(self) -> dict:
         """The model concern's fields that are the model config's own (all but `init_from`)."""
         return {k: v for k, v in dataclasses.asdict(self.parts["model"]).items() if k not in NOT_CONFIG}
+
+    def notes(self) -> list[str]:
+        """What these settings cannot do as they say, each in a line naming the flags and the fix (`Trainer`
+        prints them as the run starts). Allowed, since a short trial run is a reasonable thing to ask for, but
+        never silent."""
+        steps, found = self.max_steps, []
+        if self.warmup_steps >= steps:
+            found.append(
+                f"--warmup-steps {self.warmup_steps} is not shorter than --max-steps {steps}: the learning rate "
+                f"never reaches its peak --learning-rate {self.learning_rate:g}; pass --warmup-steps "
+                f"{max(1, steps // 10)} (a tenth of the run) or a longer run"
+            )
+        if self.log_every > steps:
+            found.append(
+                f"--log-every {self.log_every} is longer than --max-steps {steps}: metrics.jsonl gets the last "
+                "step only; pass a smaller --log-every for a loss curve"
+            )
+        if self.save_every > steps:
+            found.append(
+                f"--save-every {self.save_every} is longer than --max-steps {steps}: no checkpoint is written "
+                "during the run (a stop signal still saves one), so --resume after a crash starts from step 0"
+            )
+        evaluations = (steps - 1) // self.eval_every  # before the last step, which is always evaluated
+        if self.early_stopping_patience and evaluations < self.early_stopping_patience + 1:
+            found.append(
+                f"--early-stopping-patience {self.early_stopping_patience} needs more evaluations than the "
+                f"{evaluations} that --eval-every {self.eval_every} gives before --max-steps {steps}: it cannot "
+                "stop the run; pass a smaller --eval-every"
+            )
+        if self.export == "best" and evaluations == 0:
+            found.append(
+                f"--export best: --eval-every {self.eval_every} evaluates only the last of --max-steps {steps} "
+                "steps, so the best weights are the last; pass a smaller --eval-every"
+            )
+        return found
 
     def describe(self) -> str:
         """The resolved settings, one line per concern, for the start of a run's log."""

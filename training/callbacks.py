@@ -81,7 +81,7 @@ def last_step(trainer) -> bool:
 
 class LogMetrics(TrainerCallback):
     """A record every `log_every` steps and at the last: metrics.jsonl, the trackers (`--report-to`), the progress
-    bar's postfix, and a line for each evaluation."""
+    bar's postfix, and a line for each evaluation; the first step's loss as a line too."""
 
     def on_train_begin(self, trainer, **kwargs) -> None:
         args, accelerator, path = trainer.args, trainer.accelerator, trainer.metrics_path
@@ -99,9 +99,12 @@ class LogMetrics(TrainerCallback):
     def on_step_end(self, trainer, result: dict, **kwargs) -> None:
         if trainer.state.step % trainer.args.log_every == 0 or last_step(trainer):
             trainer.control.should_log = True
+        if trainer.state.step == 1:  # the first sign that training works, without waiting `log_every` steps
+            trainer.print(f"step 1: training loss {result['train_loss']:.4f}")
+            trainer.bar.set_postfix(loss=f"{result['train_loss']:.3f}")
 
     def on_evaluate(self, trainer, metrics: dict, **kwargs) -> None:
-        trainer.accelerator.print(
+        trainer.print(
             f"step {trainer.state.step}: validation loss {metrics['val_loss']:.4f}, "
             f"perplexity {metrics['val_perplexity']:.2f}"
         )
@@ -144,7 +147,7 @@ class EarlyStopping(TrainerCallback):
         patience = args.early_stopping_patience
         if patience and state.evals_without_improvement >= patience and state.step < args.max_steps:
             state.stop_reason = "early_stopping"
-            trainer.accelerator.print(
+            trainer.print(
                 f"early stopping at step {state.step}: {patience} evaluation(s) without a validation loss below "
                 f"{state.best_val_loss:.4f} (step {state.best_step}) by more than {args.early_stopping_threshold}"
             )

@@ -74,6 +74,8 @@ class Trainer:
         settle_distributed_mode(self.accelerator)  # FSDP on CPU processes; a DeepSpeed run that did not get it
         if self.accelerator.is_main_process:  # before any work: a second run into the folder stops here
             acquire_run_lock(args.output_dir, say=self.accelerator.print)
+        for note in args.notes():  # settings that cannot do what they say: allowed, never silent
+            self.accelerator.print(f"note: {note}")
         set_seed(args.seed)
         self.state = TrainerState()
         self.checkpoints = Checkpoints(self.accelerator, args.checkpoint_dir, args.keep_checkpoints)
@@ -234,7 +236,7 @@ class Trainer:
                 "stream, a smaller --batch-size or a shorter --context-length."
             )
         state.epoch, state.epoch_start_step = state.epoch + 1, state.step
-        self.accelerator.print(f"pass {state.epoch} over the stream ended after {passed} step(s); another begins")
+        self.print(f"pass {state.epoch} over the stream ended after {passed} step(s); another begins")
 
     def _step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over a window: the loss is averaged over every target token of the window on
@@ -293,6 +295,15 @@ class Trainer:
                 raise TrainingInterrupted(f"{signal} received: saved {path}; continue with --resume")
 
     # ---- observing -------------------------------------------------------------------------------
+
+    def print(self, text: str) -> None:
+        """A line of the run's log (main process only), on a line of its own above the progress bar while one
+        is showing: printed plainly, it would be glued onto the bar's last redraw."""
+        bar = getattr(self, "bar", None)
+        if bar is not None and not bar.disable:
+            bar.write(text)  # clears the bar, writes the line, draws the bar again below it
+        else:
+            self.accelerator.print(text)
 
     def _reset_clock(self) -> None:
         self.tokens_since_log, self.clock, self.data_wait, self.compute = 0, time.perf_counter(), 0.0, 0.0
