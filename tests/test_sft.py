@@ -410,3 +410,47 @@ def test_lora_is_refused_where_the_weights_are_gathered_into_a_plain_model(mode)
         check_lora_mode(DistributedType[mode])
     check_lora_mode(DistributedType.MULTI_CPU)  # DDP: allowed
     check_lora_mode(DistributedType.NO)
+
+
+# ---- defaults that follow the base folder; refusals before the data is read ----------------------------------
+
+
+def test_the_context_defaults_to_the_base_models_positions(tmp_path, chat_file):
+    from deriv_lm.training.sft import ChatTask
+
+    args = chat_args(tmp_path, chat_file, max_position_embeddings=None)  # numbers_lm has 64 positions, not 128
+    ChatTask(args)
+    assert args.max_position_embeddings == 64
+    assert ChatTrainingArguments(max_position_embeddings=None).max_position_embeddings is None  # until a run
+
+
+def test_a_context_longer_than_the_base_allows_is_refused_before_the_run_starts(tmp_path, chat_file, monkeypatch):
+    from deriv_lm.training import sft
+
+    monkeypatch.setattr(sft, "run", lambda *a, **k: pytest.fail("the run started"))
+    args = chat_args(tmp_path, chat_file, max_position_embeddings=128)
+    with pytest.raises(
+        ValueError, match="--context-length 128 is longer than the 64 positions .* pass --context-length 64"
+    ):
+        sft.train_sft(args, cpu=True)
+    assert not (tmp_path / "chat").exists()
+
+
+def test_lora_without_peft_is_refused_before_the_run_starts(tmp_path, chat_file, monkeypatch):
+    import sys
+
+    from deriv_lm.errors import MissingExtra
+    from deriv_lm.training import sft
+
+    for name in [n for n in sys.modules if n == "peft" or n.startswith("peft.")] or ["peft"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if PEFT were not installed
+    monkeypatch.setattr(sft, "run", lambda *a, **k: pytest.fail("the run started"))
+    with pytest.raises(MissingExtra, match=r"deriv train sft --lora needs the lora extra: pip install"):
+        sft.train_sft(chat_args(tmp_path, chat_file, lora=True), cpu=True)
+
+
+def test_an_empty_reply_shows_as_empty_not_as_quotes():
+    from deriv_lm.training.sft import shown
+
+    assert shown("") == "(empty)"
+    assert shown("5 3") == "'5 3'"

@@ -242,6 +242,9 @@ class TranslationModelArguments:
             _heads_divide(self.hidden_size, getattr(self, f"{side}_attention_heads"), f"{side}_attention_heads")
 
 
+CHAT_CONTEXT = 128  # a chat run's context when it builds a new model (no --init-from) and is given none
+
+
 @dataclass
 class ChatModelArguments:
     """The model a chat run fine-tunes: a folder, whose shape it keeps; the run sets only its dropout and the
@@ -251,15 +254,16 @@ class ChatModelArguments:
     concern: typing.ClassVar[str] = "model"  # its key in the run record's `arguments`
 
     init_from: str | None = arg(None, "the Deriv model folder to fine-tune (one trained here, or `deriv import`ed)")
-    max_position_embeddings: int = arg(
-        128,
-        "the longest conversation trained on, in tokens (at most the model's positions)",
+    max_position_embeddings: int | None = arg(
+        None,
+        "the longest conversation trained on, in tokens, at most the model's positions (default: the --init-from "
+        f"model's positions; {CHAT_CONTEXT} for a new model)",
         aliases=["--context-length", "--context_length"],
     )
     dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
 
     def __post_init__(self) -> None:
-        _positive(self, "max_position_embeddings")
+        _positive(self, "max_position_embeddings", optional=True)
         check_range("dropout", self.dropout, minimum=0, below=1)
 
 

@@ -26,9 +26,11 @@ from accelerate import PartialState
 
 from ..data.conversations import default_conversations, hub_conversations, local_conversations
 from ..data.packing import LengthGroupedSampler
-from ..errors import MissingExtra, UsageError
+from ..errors import MissingExtra, UsageError, require_extra
+from ..folder.load import read_folder
 from ..modeling_deriv import DerivForCausalLM
 from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
+from .args import CHAT_CONTEXT
 from .driver import run
 from .lm import LanguageModelTask
 from .task import Outcome, Source, Task, TaskData
@@ -151,6 +153,10 @@ class ChatTask(Task):
     build_model = LanguageModelTask.build_model  # a new model from the flags (only without --init-from)
     generation_config = LanguageModelTask.generation_config
 
+    def __init__(self, args):
+        super().__init__(args)
+        fit_context_to_base(args)  # what every later step reads: the tokenizer, the data, the model
+
     def read(self) -> Source:
         a = self.args
         conversations = conversations_from_args(a)
@@ -261,11 +267,18 @@ class ChatTask(Task):
             procedure={"lora": lora} if lora else {},
             card=card_text(data.record, metrics, scores, lora),
             samples=[
-                f"--- user: {c['messages'][-1]['content']!r}\n    before: {c['before']!r}\n    after:  {c['after']!r}"
+                f"--- user: {c['messages'][-1]['content']!r}\n    before: {shown(c['before'])}\n"
+                f"    after:  {shown(c['after'])}"
                 for c in conversations
             ],
             write_files=write_files,
         )
+
+
+def shown(reply: str) -> str:
+    """A reply as the run's last lines show it: quoted, or `(empty)` for a model that said nothing (`''` reads
+    as a printing fault)."""
+    return repr(reply) if reply else "(empty)"
 
 
 def copy_adapter(adapter_dir: str, base: str, folder: str) -> None:
@@ -422,4 +435,23 @@ def set_adapter_base(adapter_folder: str, base: str) -> None:
 
 def train_sft(args, cpu: bool = False) -> str:
     """Fine-tune a Deriv language model on conversations as `args` (a `ChatTrainingArguments`) say."""
+    if args.lora:
+        require_extra("lora", "deriv train sft --lora")  # before the data is read and the model loaded
     return run(args, ChatTask(args), cpu=cpu)
+
+
+def fit_context_to_base(args) -> None:
+    """--context-length, when not given, is the --init-from model's positions (`CHAT_CONTEXT` for a new model);
+    one longer than the model has is refused here, from its config.json, before anything is loaded or read."""
+    if args.init_from is None:
+        args.max_position_embeddings = args.max_position_embeddings or CHAT_CONTEXT
+        return
+    positions = read_folder(args.init_from).config.get("max_position_embeddings")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = positions
+    elif positions is not None and args.max_position_embeddings > positions:
+        raise UsageError(
+            f"--context-length {args.max_position_embeddings} is longer than the {positions} positions the model "
+            f"in {args.init_from} has; pass --context-length {positions} or less (or leave it out: it is then "
+            f"{positions})."
+        )
