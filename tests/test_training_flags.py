@@ -338,3 +338,21 @@ def test_each_tasks_help_lists_only_its_flags(task, has, lacks, capsys, monkeypa
         assert f"{flag} " in text
     for flag in lacks:
         assert f"{flag} " not in text
+
+
+def test_lm_init_from_takes_the_base_models_context_unless_given(tmp_path):
+    """--context-length left out is the --init-from model's positions (not 128); a longer one is refused from the
+    folder's config.json, before any model is loaded or data read; a new model's default stays 128."""
+    from pathlib import Path
+
+    from deriv_lm.training.lm import LanguageModelTask
+
+    base = str(Path(__file__).parent / "data" / "numbers_lm")  # 64 positions
+    args = TrainingArguments(init_from=base, output_dir=str(tmp_path / "run"))
+    LanguageModelTask(args)
+    assert args.max_position_embeddings == 64
+    with pytest.raises(ValueError, match="--context-length 128 is longer than the 64 positions"):
+        LanguageModelTask(TrainingArguments(init_from=base, max_position_embeddings=128))
+    new = TrainingArguments()
+    LanguageModelTask(new)
+    assert new.max_position_embeddings == 128

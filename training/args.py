@@ -183,6 +183,9 @@ INIT_FROM_HELP = (
 NOT_CONFIG = ("init_from",)
 
 
+NEW_MODEL_CONTEXT = 128  # the context of a run that builds a new model (no --init-from) and is given none
+
+
 @dataclass
 class ModelArguments:
     """The language model's shape, each field named as in `DerivConfig`."""
@@ -190,8 +193,11 @@ class ModelArguments:
     _argument_group_name: typing.ClassVar[str] = "model: DerivConfig's fields"
     concern: typing.ClassVar[str] = "model"  # its key in the run record's `arguments`
 
-    max_position_embeddings: int = arg(
-        128, "positions the model reads: its context length", aliases=["--context-length", "--context_length"]
+    max_position_embeddings: int | None = arg(
+        None,
+        f"positions the model reads: its context length (default: {NEW_MODEL_CONTEXT}, or the --init-from model's "
+        "positions)",
+        aliases=["--context-length", "--context_length"],
     )
     hidden_size: int = arg(256, "d_model")
     num_hidden_layers: int = arg(4, "layers")
@@ -203,8 +209,8 @@ class ModelArguments:
     init_from: str | None = arg(None, INIT_FROM_HELP)
 
     def __post_init__(self) -> None:
-        _positive(self, "max_position_embeddings", "hidden_size", "num_hidden_layers", "num_attention_heads")
-        _positive(self, "intermediate_size")
+        _positive(self, "max_position_embeddings", optional=True)
+        _positive(self, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
         check_range("dropout", self.dropout, minimum=0, below=1)
         _hidden_act(self.hidden_act)
         _heads_divide(self.hidden_size, self.num_attention_heads, "num_attention_heads")
@@ -242,9 +248,6 @@ class TranslationModelArguments:
             _heads_divide(self.hidden_size, getattr(self, f"{side}_attention_heads"), f"{side}_attention_heads")
 
 
-CHAT_CONTEXT = 128  # a chat run's context when it builds a new model (no --init-from) and is given none
-
-
 @dataclass
 class ChatModelArguments:
     """The model a chat run fine-tunes: a folder, whose shape it keeps; the run sets only its dropout and the
@@ -257,7 +260,7 @@ class ChatModelArguments:
     max_position_embeddings: int | None = arg(
         None,
         "the longest conversation trained on, in tokens, at most the model's positions (default: the --init-from "
-        f"model's positions; {CHAT_CONTEXT} for a new model)",
+        f"model's positions; {NEW_MODEL_CONTEXT} for a new model)",
         aliases=["--context-length", "--context_length"],
     )
     dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")

@@ -16,8 +16,10 @@ import torch
 from ..data.corpus import corpus_from_args, too_few_documents
 from ..data.packing import lm_datasets, split_documents
 from ..data.streaming import held_out_documents, stream_datasets, tokenizer_sample
-from ..errors import refused_as_usage
+from ..errors import UsageError, refused_as_usage
+from ..folder.load import read_folder
 from ..modeling_deriv import DerivConfig, DerivForCausalLM
+from .args import NEW_MODEL_CONTEXT
 from .driver import run
 from .task import Outcome, Source, Task, TaskData
 
@@ -30,11 +32,33 @@ def collate(examples: list[dict]) -> dict:
     return {"input_ids": input_ids, "labels": input_ids}
 
 
+def fit_context_to_base(args) -> None:
+    """--context-length, when not given, is the --init-from model's positions (`NEW_MODEL_CONTEXT` for a new
+    model); one longer than the model has is refused here, from its config.json, before anything is loaded or read.
+    """
+    if args.init_from is None:
+        args.max_position_embeddings = args.max_position_embeddings or NEW_MODEL_CONTEXT
+        return
+    positions = read_folder(args.init_from).config.get("max_position_embeddings")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = positions
+    elif positions is not None and args.max_position_embeddings > positions:
+        raise UsageError(
+            f"--context-length {args.max_position_embeddings} is longer than the {positions} positions the model "
+            f"in {args.init_from} has; pass --context-length {positions} or less (or leave it out: it is then "
+            f"{positions})."
+        )
+
+
 class LanguageModelTask(Task):
     """Next-token prediction on packed blocks of `max_position_embeddings` tokens."""
 
     name = "causal-lm"
     model_class = DerivForCausalLM
+
+    def __init__(self, args):
+        super().__init__(args)
+        fit_context_to_base(args)  # what every later step reads: the tokenizer, the blocks, the model
 
     def read(self) -> Source:
         a = self.args

@@ -27,12 +27,10 @@ from accelerate import PartialState
 from ..data.conversations import default_conversations, hub_conversations, local_conversations
 from ..data.packing import LengthGroupedSampler
 from ..errors import MissingExtra, UsageError, require_extra
-from ..folder.load import read_folder
 from ..modeling_deriv import DerivForCausalLM
 from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
-from .args import CHAT_CONTEXT
 from .driver import run
-from .lm import LanguageModelTask
+from .lm import LanguageModelTask, fit_context_to_base
 from .task import Outcome, Source, Task, TaskData
 
 
@@ -438,20 +436,3 @@ def train_sft(args, cpu: bool = False) -> str:
     if args.lora:
         require_extra("lora", "deriv train sft --lora")  # before the data is read and the model loaded
     return run(args, ChatTask(args), cpu=cpu)
-
-
-def fit_context_to_base(args) -> None:
-    """--context-length, when not given, is the --init-from model's positions (`CHAT_CONTEXT` for a new model);
-    one longer than the model has is refused here, from its config.json, before anything is loaded or read."""
-    if args.init_from is None:
-        args.max_position_embeddings = args.max_position_embeddings or CHAT_CONTEXT
-        return
-    positions = read_folder(args.init_from).config.get("max_position_embeddings")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = positions
-    elif positions is not None and args.max_position_embeddings > positions:
-        raise UsageError(
-            f"--context-length {args.max_position_embeddings} is longer than the {positions} positions the model "
-            f"in {args.init_from} has; pass --context-length {positions} or less (or leave it out: it is then "
-            f"{positions})."
-        )
