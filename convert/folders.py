@@ -10,6 +10,7 @@ import the native types it knows (`IMPORTERS`), each as its config.json names it
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -35,6 +36,81 @@ def _load_exact(model: torch.nn.Module, state: dict[str, torch.Tensor], tied: se
     model.tie_weights()
 
 
+def source_name(source: str) -> str:
+    """How the card and base_model name the source: a Hub id as given, a local folder by its name (never the path
+    it had on this machine, as a fine-tuned folder's run.json names its base)."""
+    return os.path.basename(os.path.abspath(source)) if os.path.isdir(source) else source
+
+
+def source_license(source: str) -> str | None:
+    """The license the source's own card (README.md) declares, or None when it has none or cannot be read."""
+    from huggingface_hub import ModelCard
+
+    path = os.path.join(source, "README.md") if os.path.isdir(source) else source
+    if os.path.isdir(source) and not os.path.isfile(path):
+        return None
+    try:
+        license = ModelCard.load(path).data.license
+    except Exception:  # subtle: the license is optional; a card that cannot be fetched or parsed leaves it unknown
+        return None
+    return license if isinstance(license, str) else None
+
+
+def write_import_card(source: str, tmp: str, out: str | os.PathLike) -> None:
+    """README.md for an imported folder (written in `tmp`, named after `out`): what it is (the source's weights,
+    not a Deriv run) and whose license."""
+    from ..hub_card.card import write_card
+
+    name = os.path.basename(os.path.abspath(out))  # not yet a folder: the atomic write renames `tmp` to it
+    write_card(tmp, name, source_license(source), imported_from=source_name(source))
+
+
+def _tokenizer_config(folder: str) -> dict:
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _untrained_chat_template(source: str, template: str | None) -> bool:
+    """Whether `template` is Deriv's default, which every tokenizer it trains carries, in a folder no chat
+    fine-tune made: a template the model never learned."""
+    from ..tokenization.bpe import CHAT_TEMPLATE
+
+    if template != CHAT_TEMPLATE or not os.path.isfile(os.path.join(source, "run.json")):
+        return False  # a template of the source's own (an import's source has no run.json)
+    return read_folder(source).run.get("task") != "sft"
+
+
+def native_tokenizer_names(source: str, target_dir: str) -> None:
+    """The tokenizer files in `target_dir` as the target's own library names them: the class the source's
+    tokenizer_config.json named (GPT2Tokenizer, MarianTokenizer), else `PreTrainedTokenizerFast` where
+    transformers 5 wrote its generic `TokenizersBackend` (a name transformers 4 does not know; both read the
+    other); and the source's chat template only, never Deriv's default from a run that did not train on chats.
+    A kept template is also written into tokenizer_config.json, where transformers before 4.50 reads it."""
+    config = _tokenizer_config(target_dir)
+    named = _tokenizer_config(source).get("tokenizer_class") if os.path.isdir(source) else None
+    if named and named != "TokenizersBackend":
+        config["tokenizer_class"] = named
+    elif config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    jinja = os.path.join(target_dir, "chat_template.jinja")
+    template = config.get("chat_template")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            template = f.read()
+    if template is not None and _untrained_chat_template(source, template):
+        config.pop("chat_template", None)
+        if os.path.isfile(jinja):
+            os.remove(jinja)
+    elif isinstance(template, str):
+        config["chat_template"] = template
+    with open(os.path.join(target_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
 def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding_side: str | None = None) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -45,6 +121,7 @@ def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding
     if padding_side:
         tokenizer.padding_side = padding_side
     tokenizer.save_pretrained(target_dir)
+    native_tokenizer_names(source, target_dir)
     try:
         model.generation_config = GenerationConfig.from_pretrained(source)
     except OSError:  # no generation_config.json: the defaults that the model config implies
@@ -84,6 +161,7 @@ def import_gpt2(source: str, out: str | os.PathLike) -> str:
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(source, tmp, model)
         model.save_pretrained(tmp)
+        write_import_card(source, tmp, out)
     return str(out)
 
 
@@ -131,6 +209,7 @@ def import_marian(source: str, out: str | os.PathLike) -> str:
         # `pipeline(model=folder, trust_remote_code=True)` translates without this package
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         DerivTranslationPipeline(model=model, tokenizer=tokenizer).save_pretrained(tmp)
+        write_import_card(source, tmp, out)
     return str(out)
 
 

@@ -98,11 +98,14 @@ def eval_results(folder: ModelFolder) -> list[EvalResult]:
     return results
 
 
-def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardData:
+def card_data(
+    folder: ModelFolder, model_name: str, license: str | None, imported_from: str | None = None
+) -> ModelCardData:
     run = run_of(folder)
     architecture = "translation" if folder.is_seq2seq else "causal-lm"
     dataset = run.data.dataset if run else None
     tags = ["deriv", run.task if run else architecture, "custom_code", *(run.card.tags if run else [])]
+    tags += ["imported"] if imported_from and not run else []
     return ModelCardData(
         model_name=model_name,
         library_name="transformers",
@@ -113,7 +116,7 @@ def card_data(folder: ModelFolder, model_name: str, license: str) -> ModelCardDa
         # subtle: a folder without run.json (one `deriv import` wrote) has an unknown origin, so no from-scratch
         tags=tags + (["from-scratch"] if run and not run.base_model else []),
         eval_results=eval_results(folder) or None,
-        base_model=run.base_model if run else None,
+        base_model=run.base_model if run else imported_from,
     )
 
 
@@ -202,8 +205,15 @@ def _run_values(folder: ModelFolder, run: RunRecord) -> dict:
     )
 
 
-def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> ModelCard:
-    """The card for the folder at `path`; usage snippets name `repo_id` (default: the folder's name)."""
+def build_card(
+    path: str | os.PathLike,
+    repo_id: str | None = None,
+    license: str | None = "apache-2.0",
+    imported_from: str | None = None,
+) -> ModelCard:
+    """The card for the folder at `path`; usage snippets name `repo_id` (default: the folder's name). A folder
+    `deriv import` wrote names its source in `imported_from` (its weights, not a Deriv run; `license`: the
+    source's, None when unknown)."""
     folder = read_folder(path)
     repo = repo_id or os.path.basename(os.path.abspath(folder.path))
     title = repo.split("/")[-1]
@@ -216,6 +226,7 @@ def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str
         kind=run.card.kind if run and run.card.kind else kind,
         recorded=run is not None,
         base_model=run.base_model if run else None,
+        imported_from=None if run else imported_from,
         seq2seq=folder.is_seq2seq,
         # subtle: the prose follows config.json, so an imported GPT-2 is not described with the paper's choices
         scaled_embedding=c.get("scale_embedding", True),
@@ -225,12 +236,18 @@ def build_card(path: str | os.PathLike, repo_id: str | None = None, license: str
         code_files=", ".join(f"`{name}`" for name in code_files(folder)),
         **(_run_values(folder, run) if run else {}),
     )
-    return ModelCard.from_template(card_data(folder, title, license), template_path=TEMPLATE, **values)
+    data = card_data(folder, title, license, imported_from)
+    return ModelCard.from_template(data, template_path=TEMPLATE, **values)
 
 
-def write_card(path: str | os.PathLike, repo_id: str | None = None, license: str = "apache-2.0") -> str:
+def write_card(
+    path: str | os.PathLike,
+    repo_id: str | None = None,
+    license: str | None = "apache-2.0",
+    imported_from: str | None = None,
+) -> str:
     """Write README.md into the folder, atomically (a temporary file renamed into place); returns its path."""
-    card = build_card(path, repo_id, license)
+    card = build_card(path, repo_id, license, imported_from)
     target = os.path.join(str(path), "README.md")
     tmp = target + ".partial"
     with open(tmp, "w", encoding="utf-8") as f:
