@@ -497,3 +497,75 @@ def test_an_exported_gpt2_runs_in_onnx_runtime_with_the_same_logits_and_greedy_t
     prompt = ids(2, 5)
     reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
     assert greedy(session, prompt.numpy(), 10).tolist() == reference.tolist()
+
+
+def tokenizer_config(folder) -> dict:
+    return json.loads(open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8").read())
+
+
+@pytest.fixture
+def gpt2_with_its_own_tokenizer(tmp_path, tiny_tokenizer):
+    """A GPT-2 checkpoint whose tokenizer is GPT-2's own class (GPT2Tokenizer, as the Hub's gpt2 names it), built
+    from the tiny BPE's vocabulary and merges."""
+    from transformers import GPT2Tokenizer
+
+    model = json.loads(tiny_tokenizer.backend_tokenizer.to_str())["model"]
+    tokenizer = GPT2Tokenizer(
+        vocab=model["vocab"],
+        merges=[tuple(m) for m in model["merges"]],
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<eos>",
+    )
+    tokenizer.pad_token = "<pad>"
+    folder = tmp_path / "gpt2-own-tokenizer"
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=64)
+    perturbed(GPT2LMHeadModel(config)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert tokenizer_config(folder)["tokenizer_class"] == "GPT2Tokenizer"
+    return folder
+
+
+def test_an_exported_gpt2_names_the_tokenizer_class_its_source_named_and_adds_no_chat_template(
+    gpt2_with_its_own_tokenizer, gpt2_folder, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    text = "the lazy fox attends to every token"
+    for source, expected in ((gpt2_with_its_own_tokenizer, "GPT2Tokenizer"), (gpt2_folder, None)):
+        name = source.name
+        out = export_model(import_model(str(source), tmp_path / f"{name}-deriv"), "gpt2", tmp_path / f"{name}-out")
+        for folder in (tmp_path / f"{name}-deriv", tmp_path / f"{name}-out"):
+            config = tokenizer_config(folder)
+            # transformers 5 writes TokenizersBackend for a generic fast tokenizer, a class 4.x does not know;
+            # PreTrainedTokenizerFast is what both read
+            assert config["tokenizer_class"] == (expected or "PreTrainedTokenizerFast"), folder
+            assert "chat_template" not in config and not (folder / "chat_template.jinja").exists(), folder
+        loaded, original = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(source)
+        assert loaded(text).input_ids == original(text).input_ids
+
+
+def test_export_keeps_a_chat_template_the_source_had(gpt2_folder, tmp_path):
+    from transformers import AutoTokenizer
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_folder)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(gpt2_folder)
+    out = export_model(import_model(str(gpt2_folder), tmp_path / "deriv"), "gpt2", tmp_path / "out")
+    assert AutoTokenizer.from_pretrained(out).chat_template == template
+    assert tokenizer_config(out)["chat_template"] == template  # where transformers before 4.50 reads it
+
+
+def test_a_fine_tuned_gpt2_exports_without_the_chat_template_it_never_learned(gpt2_folder, tmp_path, documents):
+    from transformers import AutoTokenizer
+
+    from deriv_lm.tokenization import CHAT_TEMPLATE
+    from deriv_lm.training import train_lm
+
+    imported = import_model(str(gpt2_folder), tmp_path / "imported")
+    run = train_lm(fine_tune_args(tmp_path, documents, init_from=imported, max_steps=1, eval_every=1))
+    assert AutoTokenizer.from_pretrained(run).chat_template == CHAT_TEMPLATE  # Deriv's default, from the run
+    out = export_model(run, "gpt2", tmp_path / "out")
+    assert AutoTokenizer.from_pretrained(out).chat_template is None
+    assert tokenizer_config(out)["tokenizer_class"] == "PreTrainedTokenizerFast"

@@ -138,3 +138,18 @@ def test_fine_tuning_an_imported_opus_mt_encodes_targets_with_its_target_model(i
     out = model.generate(**batch, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert out.shape == (1, 7) and isinstance(tokenizer.decode(out[0], skip_special_tokens=True), str)
     assert json.loads((run / "run.json").read_text())["base_model"] == "imported"
+
+
+def test_an_exported_opus_mt_names_marians_tokenizer_and_gives_the_same_ids(opus_mt, imported, tmp_path):
+    from transformers import AutoTokenizer, MarianMTModel
+
+    from deriv_lm.convert import export_model
+
+    out = export_model(imported, "marian", tmp_path / "native")
+    config = json.loads((tmp_path / "native" / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config["tokenizer_class"] == "MarianTokenizer" and "chat_template" not in config
+    tokenizer, source = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(opus_mt)
+    assert type(tokenizer).__name__ == "MarianTokenizer"
+    assert tokenizer(ENGLISH[9]).input_ids == source(ENGLISH[9]).input_ids
+    assert tokenizer(text_target=GERMAN[9]).input_ids == source(text_target=GERMAN[9]).input_ids
+    assert MarianMTModel.from_pretrained(out).config.vocab_size == len(tokenizer)
