@@ -454,3 +454,13 @@ def test_an_empty_reply_shows_as_empty_not_as_quotes():
 
     assert shown("") == "(empty)"
     assert shown("5 3") == "'5 3'"
+
+
+def test_an_empty_reply_shows_as_empty_in_the_card_too():
+    from deriv_lm.training.sft import card_text
+
+    data = dict(corpus="c", train=1, validation=1, dropped_too_long=0, context_length=64, synthetic=False)
+    asked = [{"role": "user", "content": "5 3"}]
+    scores = {"base_val_loss": 1.0, "conversations": [{"messages": asked, "before": "", "after": "fifty three"}]}
+    card = card_text(data, {"val_loss": None}, scores, None)
+    assert "| 5 3 | (empty) | fifty three |" in card["evaluation"]

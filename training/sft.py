@@ -308,7 +308,7 @@ def card_text(data: dict, metrics: dict, scores: dict, lora: dict | None) -> dic
             f"**{metrics['val_loss']:.4f}** after (perplexity {metrics['val_perplexity']:.2f}).\n"
         )
     if scores["conversations"]:
-        cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        cell = lambda s: (s or "(empty)").replace("|", "\\|").replace("\n", " ")  # noqa: E731
         evaluation.append("Greedy replies to held-out prompts, before and after fine-tuning:\n")
         evaluation.append("| prompt | before | after |\n| --- | --- | --- |")
         evaluation += [
