@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..arguments import model_folder
 from ..errors import require_extra
 
 
@@ -15,7 +16,7 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
         "transformers' own classes and write it as a Deriv folder with the same weights, tokenizer and "
         "generation config."
     )
-    parser.add_argument("source", help="a model folder or Hub id")
+    parser.add_argument("source", type=model_folder, help="a model folder or Hub id")
     parser.add_argument("--out", required=True, help="the Deriv folder to write (must not exist yet)")
     parser.set_defaults(func=run_import)
 
@@ -26,7 +27,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "Write a Deriv folder as its native twin (gpt2, marian), loadable without trust_remote_code, or a "
         "GPT-2-shaped one as an ONNX graph for ONNX Runtime (onnx; needs the onnx extra)."
     )
-    parser.add_argument("folder", help="a Deriv model folder")
+    parser.add_argument("folder", type=model_folder, help="a Deriv model folder")
     parser.add_argument("--to", required=True, choices=["gpt2", "marian", "onnx"], help="the native architecture")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
     parser.set_defaults(func=run_export)
@@ -39,7 +40,7 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "TorchAoConfig; needs the quantize extra), as safetensors that AutoModelForCausalLM.from_pretrained "
         "loads again; the tokenizer, generation config and run record come along."
     )
-    parser.add_argument("folder", help="a Deriv model folder with float weights")
+    parser.add_argument("folder", type=model_folder, help="a Deriv model folder with float weights")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
     parser.add_argument(
         "--scheme",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 from .errors import UsageError
@@ -89,6 +90,48 @@ def number(
 
     parse.__name__ = "number"
     return parse
+
+
+def _looks_local(text: str) -> bool:
+    """A name that can only be a path: it exists, is absolute or relative (`.`), ends in a slash, has more than one
+    slash, or starts in a folder that is here (`runs/deriv-tiny` with `runs/` present). Otherwise it may be a
+    Hub name (`gpt2`, `user/model`), which only loading can check."""
+    head = text.split("/")[0]
+    return (
+        os.path.exists(text)
+        or os.path.isabs(text)
+        or text.startswith(".")
+        or text.endswith("/")
+        or text.count("/") > 1
+        or ("/" in text and os.path.isdir(head))
+    )
+
+
+def model_folder(text: str) -> str:
+    """An argparse type: a model folder (one that holds config.json) or a Hub name. A path that is not there, or a
+    folder without config.json, is refused as the line is parsed, before torch or transformers is imported."""
+    if os.path.isdir(text):
+        if not os.path.isfile(os.path.join(text, "config.json")):
+            raise argparse.ArgumentTypeError(f"{text} is not a model folder: it has no config.json")
+        return text
+    if _looks_local(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such model folder")
+    return text
+
+
+def existing_folder(text: str) -> str:
+    """An argparse type: a folder that is there, or a Hub name (a tokenizer folder: config.json not required)."""
+    if not os.path.isdir(text) and _looks_local(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such folder")
+    return text
+
+
+def existing_file(text: str) -> str:
+    """An argparse type: a file that is there (a config file, a text file), checked as the line is parsed."""
+    if not os.path.isfile(text):
+        why = "is a folder, not a file" if os.path.isdir(text) else "no such file"
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
+    return text
 
 
 def check_range(name: str, value, *, minimum=None, maximum=None, above=None, below=None, integral=False) -> None:

@@ -165,6 +165,8 @@ def _sigterm_as_interrupt():
 def main(argv: list[str] | None = None) -> int:
     top = build_parser().parse_args(argv)  # the standard library only: --help, a missing or unknown command
     debug = top.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0")
+    if not (top.verbose or os.environ.get("DERIV_VERBOSE", "") not in ("", "0")):
+        _quiet_libraries()
     try:
         with _sigterm_as_interrupt():
             return _run(top, debug)
@@ -175,6 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         # on a new line: Ctrl-C often lands mid-line (a streamed reply, a progress bar, the terminal's ^C)
         print(f"\nderiv: interrupted ({name})", file=sys.stderr)
         return INTERRUPTED
+
+
+def _quiet_libraries() -> None:
+    """Turn off what the libraries print that a user cannot act on: transformers' "Loading weights" bar on every
+    load, and its info and advisory warnings (errors still show). Set before transformers is imported, which
+    reads them then; a variable the user set wins. `deriv --verbose` (or DERIV_VERBOSE=1) keeps them all."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # subtle: transformers' bars follow huggingface_hub's switch, read once when transformers.utils.logging loads
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _run(top: argparse.Namespace, debug: bool) -> int:
@@ -209,6 +221,11 @@ def build_parser() -> Parser:
     """The top-level parser: `--debug` and one stub per command. Imports no room."""
     parser = Parser(prog="deriv", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: DERIV_DEBUG=1)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep the libraries' own progress bars and warnings, off by default (also: DERIV_VERBOSE=1)",
+    )
     sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND", parser_class=_Rest)
     for command in COMMANDS:
         listed = {} if command.help is None else {"help": command.help}

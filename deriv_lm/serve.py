@@ -26,7 +26,7 @@ import os
 import signal
 import time
 
-from .arguments import integer
+from .arguments import integer, model_folder
 from .errors import MissingFile, UsageError
 
 
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "streaming, continuous batching). Every request is checked before it is decoded; see docs/serving.md. "
         "Needs the serve extra: pip install 'deriv-lm[serve]'."
     )
-    parser.add_argument("folder", help="an exported Deriv language-model folder")
+    parser.add_argument("folder", type=model_folder, help="an exported Deriv language-model folder")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)"
     )

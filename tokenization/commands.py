@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..arguments import integer, number
+from ..arguments import existing_folder, integer, number
 from ..data.corpus import add_corpus_arguments, corpus_from_args
 from ..errors import UsageError
 from .bpe import (
@@ -45,12 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.set_defaults(func=run_train)
 
     show = sub.add_parser("show", help="show how a text splits into tokens")
-    show.add_argument("folder", help="a tokenizer (or model) folder")
+    show.add_argument("folder", type=existing_folder, help="a tokenizer (or model) folder")
     show.add_argument("text", nargs="?", help="the text (default: read standard input)")
     show.set_defaults(func=run_show)
 
     stats = sub.add_parser("stats", help="vocabulary statistics, and characters per token on a sample")
-    stats.add_argument("folder", help="a tokenizer (or model) folder")
+    stats.add_argument("folder", type=existing_folder, help="a tokenizer (or model) folder")
     stats.add_argument(
         "--sample-mb", type=number(above=0), default=0.5, help="MB of the corpus to measure characters per token on"
     )

@@ -6,10 +6,8 @@ import argparse
 import os
 import sys
 
-from ..arguments import command_name, integer, number
+from ..arguments import command_name, integer, model_folder, number
 from ..errors import UsageError, require_extra
-from .attention import load_eager
-from .pictures import MAX_TOKENS_DRAWN
 
 
 # `picture positions` draws a positions x dim table and a positions x positions map of dot products, each on some
@@ -24,7 +22,7 @@ MAX_KV_BYTES = 2 * 2**30
 
 def add_attention_arguments(att: argparse.ArgumentParser) -> None:
     """`deriv attention FOLDER TEXT`."""
-    att.add_argument("folder")
+    att.add_argument("folder", type=model_folder)
     add_trust_argument(att)
     att.add_argument("text")
     att.add_argument("--target", default=None, help="translation: the target text (default: the model's own)")
@@ -49,13 +47,13 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
     pos.add_argument("--out", default="positions.png")
     pos.set_defaults(func=_plotting(lambda ns: _done(_positions(ns))))
     tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text")
-    tok.add_argument("folder")
+    tok.add_argument("folder", type=model_folder)
     add_trust_argument(tok)
-    tok.add_argument("text", help=f"counted whole; drawn up to its {MAX_TOKENS_DRAWN}th token")
+    tok.add_argument("text", help="counted whole; the picture draws its first tokens (a note says where it stops)")
     tok.add_argument("--out", default="tokens.png")
     tok.set_defaults(func=_plotting(lambda ns: _done(_tokens(ns))))
     tmp = kinds.add_parser("temperature", help="next-token distribution at several temperatures, top-k/top-p marked")
-    tmp.add_argument("folder")
+    tmp.add_argument("folder", type=model_folder)
     add_trust_argument(tmp)
     tmp.add_argument("text")
     tmp.add_argument(
@@ -106,7 +104,7 @@ def _done(paths) -> int:
 
 
 def run_attention(ns: argparse.Namespace) -> int:
-    from .attention import attention_maps, plot_attention, select
+    from .attention import attention_maps, load_eager, plot_attention, select
 
     model, tokenizer = load_eager(ns.folder, trust_remote_code=ns.trust_remote_code)
     try:
@@ -137,7 +135,7 @@ def _positions(ns):
 def _tokens(ns):
     from transformers import AutoTokenizer
 
-    from .pictures import token_split
+    from .pictures import MAX_TOKENS_DRAWN, token_split
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=ns.trust_remote_code)
@@ -154,6 +152,8 @@ def _temperature(ns):
 
     if len(ns.temperatures) < 2:
         raise UsageError("--temperatures needs two or more values: the picture compares them")
+    from .attention import load_eager
+
     model, tokenizer = load_eager(ns.folder, trust_remote_code=ns.trust_remote_code)
     if model.config.is_encoder_decoder:
         raise UsageError(
