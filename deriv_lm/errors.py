@@ -61,6 +61,7 @@ EXTRAS = {
     "marian": ("sentencepiece",),  # import of an OPUS-MT checkpoint, and the folders that keep its tokenizer
     "serve": ("fastapi", "uvicorn", "pydantic", "openai"),  # serve, bench serving
     "trl": ("trl",),  # no command: the Python API's SFTTrainer
+    "eval": ("lm_eval",),  # eval --tasks (lm-evaluation-harness)
 }
 _EXTRA_OF_MODULE = {module: extra for extra, modules in EXTRAS.items() for module in modules}
 

@@ -23,13 +23,16 @@ _OLD = ".old-"  # <parent>/.<name>.old-<pid>-<random>: the previous version, bet
 
 
 @contextmanager
-def atomic_directory(folder: str | os.PathLike) -> Iterator[str]:
+def atomic_directory(folder: str | os.PathLike, carry_first: bool = False) -> Iterator[str]:
     """Yield a temporary folder beside `folder`; on success the folder's new version replaces it whole.
 
     The new version is the old one's files (hard links, so a model folder's checkpoints cost nothing to
     carry) with what was written into the temporary folder on top: files already in `folder` that the new
     contents do not replace are kept (a tokenizer written into a model folder leaves the model's files alone).
-    On failure or a signal the temporary folder is removed and `folder` is untouched.
+    With `carry_first` the old files are linked in before the yield, for a writer that reads them (a card built
+    from the folder): it must replace a file (`os.replace`), never write into it, which would change the old
+    version through the shared link. On failure or a signal the temporary folder is removed and `folder` is
+    untouched.
     """
     folder = os.path.abspath(folder)
     parent, name = os.path.split(folder)
@@ -37,6 +40,8 @@ def atomic_directory(folder: str | os.PathLike) -> Iterator[str]:
     _remove_leftovers(parent, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}{_PARTIAL}{os.getpid()}-", dir=parent)
     try:
+        if carry_first and os.path.isdir(folder):
+            _carry_over(folder, tmp)
         yield tmp
         if os.path.isdir(folder):
             _carry_over(folder, tmp)

@@ -57,19 +57,32 @@ def add_translate_arguments(tr: argparse.ArgumentParser) -> None:
 
 def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     """`deriv eval FOLDER`."""
+    from .evaluate import TEST_SAMPLE, TOKEN_BUDGET
+
     ev.description = (
-        "A language model: perplexity on a corpus with a sliding window. A translation model: "
-        "BLEU and chrF with beam search on the held-out test split of the pairs (the split training used; "
-        "--all-pairs scores every pair, for a separate test file)."
+        "A language model: perplexity with a sliding window, by default on the text its run held out (the "
+        "validation split, split again as the folder's run.json records it), or on --files / --dataset. A "
+        f"translation model: BLEU and chrF with beam search on {TEST_SAMPLE} pairs spread over the held-out test "
+        "split (--full-test-split for all; --all-pairs scores every pair, for a separate test file). --tasks runs "
+        "lm-evaluation-harness tasks instead."
     )
     ev.add_argument("folder")
     ev.add_argument("--stride", type=integer(minimum=1), default=None, help="default: half the context")
     ev.add_argument(
-        "--max-tokens", type=integer(minimum=2), default=200_000, help="evaluate on at most this many tokens"
+        "--max-tokens",
+        type=integer(minimum=2),
+        default=TOKEN_BUDGET,
+        help=f"score at most this many tokens (default: {TOKEN_BUDGET:,})",
+    )
+    ev.add_argument(
+        "--batch-size",
+        type=integer(minimum=1),
+        default=None,
+        help="windows per forward pass (default: 8), or pairs per beam search (default: 32)",
     )
     add_corpus_arguments(ev)
-    ev.add_argument("--source-lang", default="en", help="translation: source language (default: en)")
-    ev.add_argument("--target-lang", default="de", help="translation: target language (default: de)")
+    ev.add_argument("--source-lang", default=None, help="translation: source language (default: the run's, or en)")
+    ev.add_argument("--target-lang", default=None, help="translation: target language (default: the run's, or de)")
     ev.add_argument(
         "--num-beams",
         type=integer(minimum=1, maximum=MAX_BEAMS),
@@ -77,9 +90,24 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
         help="translation: default the folder's setting",
     )
     ev.add_argument(
-        "--max-pairs", type=integer(minimum=1), default=None, help="translation: score at most this many pairs"
+        "--max-pairs",
+        type=integer(minimum=1),
+        default=None,
+        help=f"translation: this many pairs, spread over the split (default: {TEST_SAMPLE}; all with --all-pairs)",
     )
+    ev.add_argument("--full-test-split", action="store_true", help="translation: every test pair, not a sample")
     ev.add_argument("--all-pairs", action="store_true", help="translation: every pair, not the test split")
+    ev.add_argument(
+        "--tasks",
+        default=None,
+        metavar="TASK[,TASK]",
+        help="lm-evaluation-harness tasks to run instead (pip install deriv-lm[eval]); --include-path adds your own",
+    )
+    ev.add_argument("--num-fewshot", type=integer(minimum=0), default=None, help="--tasks: few-shot examples")
+    ev.add_argument(
+        "--limit", type=integer(minimum=1), default=None, help="--tasks: at most this many examples a task"
+    )
+    ev.add_argument("--include-path", default=None, metavar="DIR", help="--tasks: a folder of your task YAMLs")
     add_trust_argument(ev)
     ev.set_defaults(func=run_eval)
 
@@ -196,46 +224,114 @@ def run_translate(ns: argparse.Namespace) -> int:
 
 
 def run_eval(ns: argparse.Namespace) -> int:
+    """Whatever is scored is said before the model loads (one line on stderr), and again with the score."""
+    import os
+
+    from ..folder.load import read_folder
+
+    record, seq2seq = None, None
+    if os.path.isdir(ns.folder):  # else a Hub name: no run record, and its kind is known once it loads
+        folder = read_folder(ns.folder)
+        record, seq2seq = folder.run, folder.is_seq2seq
+    if ns.tasks:
+        from .harness import run_harness
+
+        return run_harness(ns)
+    if seq2seq:
+        return _eval_translation(ns, record)
+    texts, scored = _eval_texts(ns, record)
+    loaded = load_folder(ns.folder, seq2seq=None if seq2seq is None else False, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if model.config.is_encoder_decoder:  # a Hub name that turned out to hold a translation model
+        return _eval_translation(ns, None)
+    return _eval_perplexity(ns, model, tokenizer, texts, scored)
+
+
+def _eval_texts(ns: argparse.Namespace, record: dict | None):
+    """The texts `deriv eval` scores and what they are, in words: the flags' corpus, whole; without flags the
+    held-out split of the corpus the run record names. Refused before the model loads when there is neither."""
+    from .evaluate import held_out_documents
+
+    if ns.files or ns.dataset:
+        corpus = corpus_from_args(ns)
+        return corpus, f"{corpus.description} (as given, not split)"
+    if record is None:
+        raise UsageError(
+            f"{ns.folder} has no run.json saying what it was trained on, so there is no held-out text to score: "
+            "pass --files PATH or --dataset NAME (or --tasks TASK for lm-evaluation-harness)"
+        )
+    if record.get("task") != "causal-lm":
+        raise UsageError(
+            f"{ns.folder} is a {record.get('task')!r} run; `deriv eval` reproduces the held-out text of language-"
+            "model runs only: pass --files PATH or --dataset NAME"
+        )
+    documents, corpus = held_out_documents(record, ns.folder)
+    trained_on = record.get("data", {}).get("corpus", "")
+    if trained_on.startswith("default:") and trained_on != corpus.description:
+        print(
+            f"deriv: note: the run read {trained_on!r}; this Python's default corpus is {corpus.description!r}, "
+            "so the held-out documents may differ from the run's",
+            file=sys.stderr,
+        )
+    return documents, f"the held-out split of {corpus.description} recorded in run.json"
+
+
+def _eval_perplexity(ns: argparse.Namespace, model, tokenizer, texts, scored: str) -> int:
     from .evaluate import sliding_window_perplexity
 
-    loaded = load_folder(ns.folder, trust_remote_code=ns.trust_remote_code)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    if model.config.is_encoder_decoder:
-        return _eval_translation(ns, model, tokenizer)
     window = model.config.max_position_embeddings
     if ns.stride is not None and ns.stride > window:
         raise UsageError(f"--stride {ns.stride} is longer than the model's window of {window} tokens")
-    corpus = corpus_from_args(ns)
     ids: list[int] = []
-    for text in corpus:
+    for text in texts:
         ids += encode_prompt(tokenizer, text) + [tokenizer.eos_token_id]
-        if len(ids) >= ns.max_tokens:
+        if len(ids) > ns.max_tokens:
             break
     if len(ids) < 2:
-        raise UsageError(f"{corpus.description} gives {len(ids)} token(s); perplexity needs at least 2")
-    result = sliding_window_perplexity(model, ids[: ns.max_tokens], window, ns.stride or window // 2, progress=True)
+        raise UsageError(f"{scored} gives {len(ids)} token(s); perplexity needs at least 2")
+    cut = len(ids) > ns.max_tokens
+    ids = ids[: ns.max_tokens]
+    stride, batch = ns.stride or window // 2, ns.batch_size or 8
+    print(f"scoring {len(ids):,} tokens of {scored} (window {window}, stride {stride}) ...", file=sys.stderr)
+    result = sliding_window_perplexity(model, ids, window, stride, progress=True, batch_size=batch)
+    extent = f"its first {len(ids):,} tokens; --max-tokens for more" if cut else "all of it"
     print(
-        f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f}) on {result['tokens']} tokens of "
-        f"{corpus.description}; window {window}, stride {result['stride']}"
+        f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f}) on {scored}: {len(ids):,} tokens "
+        f"({extent}); window {window}, stride {result['stride']}"
     )
     return 0
 
 
-def _eval_translation(ns: argparse.Namespace, model, tokenizer) -> int:
+def _eval_translation(ns: argparse.Namespace, record: dict | None) -> int:
+    """BLEU and chrF on a sample spread over the test split (the split training used) of the flags' pairs, or
+    without flags of the pairs the run record names, in the run's languages."""
     from ..data.parallel import pairs_from_args, split_pairs
-    from .evaluate import score
+    from .evaluate import TEST_SAMPLE, recorded_argument, recorded_source, score, spread_sample
 
+    record = record or {}
+    for side, fallback in (("source_lang", "en"), ("target_lang", "de")):
+        if getattr(ns, side) is None:
+            setattr(ns, side, recorded_argument(record, side, fallback))
+    if not (ns.files or ns.dataset) and record:
+        for name, value in vars(recorded_source(record, ns.folder)).items():
+            setattr(ns, name, value)
     ns.files = ns.files or []
     corpus = pairs_from_args(ns)
-    pairs = corpus.pairs if ns.all_pairs else split_pairs(corpus.pairs)["test"]
-    pairs = pairs[: ns.max_pairs] if ns.max_pairs else pairs
+    split = corpus.pairs if ns.all_pairs else split_pairs(corpus.pairs)["test"]
+    everything = ns.full_test_split or (ns.all_pairs and ns.max_pairs is None)
+    pairs = spread_sample(split, None if everything else ns.max_pairs or TEST_SAMPLE)
+    which = "pairs" if ns.all_pairs else "test pairs"
     if not pairs:
-        raise UsageError(f"No pairs to score in {corpus.description}{'' if ns.all_pairs else ' (test split)'}")
+        raise UsageError(f"No {which} to score in {corpus.description}")
+    loaded = load_folder(ns.folder, seq2seq=True, trust_remote_code=ns.trust_remote_code)
+    model, tokenizer = loaded.model, loaded.tokenizer
     beams = ns.num_beams or model.generation_config.num_beams or 1
-    result = score(model, tokenizer, pairs, beams, progress=True)
+    print(f"scoring {len(pairs)} of {len(split)} {which} of {corpus.description} ({beams} beams) ...", file=sys.stderr)
+    result = score(model, tokenizer, pairs, beams, progress=True, batch_size=ns.batch_size or 32)
+    sample = "" if len(pairs) == len(split) else f", spread over the {len(split)}; --full-test-split for all"
     print(
-        f"BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} on {len(pairs)} pairs of {corpus.description} "
-        f"({'all' if ns.all_pairs else 'test split'}; {beams} beams); copying the source scores BLEU "
+        f"BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} on {len(pairs)} {which} of {corpus.description} "
+        f"({'all pairs' if ns.all_pairs else 'test split'}{sample}; {beams} beams); copying the source scores BLEU "
         f"{result['copy_source_bleu']:.2f}, chrF {result['copy_source_chrf']:.2f}\n"
         f"{result['bleu_signature']}\n{result['chrf_signature']}"
     )

@@ -349,11 +349,12 @@ class TranslationArguments:
     target_lang: str = arg("de", "target language")
     label_smoothing: float = arg(0.0, "the paper's 0.1 (§5.4)")
     num_beams: int = arg(4, "beam width for the BLEU evaluation and the exported generation defaults")
-    bleu_pairs: int | None = arg(None, "score BLEU on at most this many test pairs (default: all)")
+    bleu_pairs: int = arg(200, "score BLEU on this many test pairs, spread over the split, after the export")
+    full_test_split: bool = arg(False, "score BLEU on every test pair, not --bleu-pairs of them")
 
     def __post_init__(self) -> None:
         check_range("num_beams", self.num_beams, minimum=1, maximum=MAX_BEAMS, integral=True)
-        _positive(self, "bleu_pairs", optional=True)
+        _positive(self, "bleu_pairs")
         check_range("label_smoothing", self.label_smoothing, minimum=0, below=1)
 
 

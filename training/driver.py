@@ -8,7 +8,8 @@ data = task.prepare(source, tokenizer)  the tokenized sets, the collator, the tr
 model = task.build_model(tokenizer), or task.from_folder(initial, tokenizer); then task.start(...)
 trainer.train(model, task, data)        the loop, checkpoints, resume, evaluation
 gather the weights; validation metrics; task.finish (the task's model, metrics, card text, samples); run record;
-export; samples
+export; then task.score_exported (the test BLEU: the folder exists before it starts), added to run.json and the
+card; samples
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..errors import MissingFile, UsageError
 from ..folder.load import tokenizer_file
 from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tokens_with, train_bpe
 from .distributed import describe, whole_model
-from .export import export_folder, run_record
+from .export import add_to_record, export_folder, run_record
 from .runlock import releases_run_lock
 from .trainer import Trainer
 
@@ -103,7 +104,7 @@ def load_or_train_tokenizer(args, texts, accelerator):
 
 def finish(trainer, task, tokenizer, source, data, state_dict, seconds: float) -> None:
     """Main process: the exported weights' metrics, the task's ending (`task.finish`), the run record, the
-    exported folder, the task's samples."""
+    exported folder, then the task's slow scores (`task.score_exported`) added to it, the task's samples."""
     args, accelerator, state = trainer.args, trainer.accelerator, trainer.state
     model = trainer.unwrapped()
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -128,6 +129,11 @@ def finish(trainer, task, tokenizer, source, data, state_dict, seconds: float) -
         task.pipeline_class,
         outcome.write_files,
     )
+    scored = task.score_exported(outcome, tokenizer, source, data, metrics)
+    if scored is not None:
+        outcome = scored
+        values = (tokenizer, ratio, state, accelerator, seconds, metrics, exported)
+        add_to_record(args.output_dir, run_record(task, args, data, outcome, *values))
     for line in outcome.samples:
         accelerator.print(line)
     summary = f"validation perplexity {metrics['val_perplexity']:.2f}" + outcome.summary

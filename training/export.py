@@ -162,3 +162,14 @@ def export_folder(
             say("loss.png skipped: pip install matplotlib (or deriv-lm[viz]) to plot the curves")
         # README.md, from the files just written; named after the final folder, not the temporary one
         write_card(tmp, repo_id=os.path.basename(os.path.abspath(output_dir)))
+
+
+def add_to_record(output_dir, record) -> None:
+    """What a run adds to its exported folder once it is scored (the test BLEU): run.json replaced by `record` and
+    the card rebuilt from it, swapped in together, so a run stopped while scoring keeps the folder as exported."""
+    with atomic_directory(output_dir, carry_first=True) as tmp:
+        path = os.path.join(tmp, "run.json")
+        with open(path + ".partial", "w") as f:
+            json.dump(record, f, indent=2, default=str)
+        os.replace(path + ".partial", path)  # subtle: never write through the link to the exported run.json
+        write_card(tmp, repo_id=os.path.basename(os.path.abspath(output_dir)))

@@ -22,8 +22,12 @@ hooks as the values they return, never as attributes one hook sets for a later o
                                               LoRA merged or its adapter beside), the task's metrics and
                                               run-record fields, its card text, its sample lines, its summary
     task.generation_config(model, tokenizer)  the exported folder's decoding defaults (through `ready`)
+    outcome = task.score_exported(outcome, tokenizer, source, data, metrics)
+                                              once the folder is exported: the scores that take long (test
+                                              BLEU by beam search), so a run stopped while scoring keeps its
+                                              model; their Outcome is added to run.json and the card
 
-Ten hooks; only `read`, `prepare`, `build_model` and `generation_config` have no default. Three class attributes
+Eleven hooks; only `read`, `prepare`, `build_model` and `generation_config` have no default. Three class attributes
 say what the task is: `name` (the run record's `task`), `model_class` (what an --init-from folder must hold) and
 `pipeline_class` (a Pipeline the folder carries, or None).
 
@@ -153,6 +157,12 @@ class Task:
         """The end of the run, on the main process: `model` as trained (train mode), `metrics` the exported
         weights' validation loss and perplexity. By default the model as it is, and nothing more to say."""
         return Outcome(self.ready(model, tokenizer), state_dict)
+
+    def score_exported(self, outcome: Outcome, tokenizer, source: Source, data: TaskData, metrics: dict):
+        """After the folder is exported: `outcome` with the scores that take long added (its metrics, card text,
+        samples and summary), which the driver adds to run.json and the card; None when there are none (the
+        default)."""
+        return None
 
     def ready(self, model, tokenizer) -> torch.nn.Module:
         """`model` as the folder holds it: in eval mode, without training-only settings, with its decoding

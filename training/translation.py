@@ -6,7 +6,8 @@ pairs (default gettext catalogs, local TSV/JSONL, or a `datasets` dataset)
   --datasets.map--> source ids | target ids + <eos>    (cached; pairs longer than the context are dropped)
   --length-grouped sampler--> batches of similar length: few pad tokens
   --DataCollatorForSeq2Seq--> right padding; labels shifted right once into decoder_input_ids
-  --driver (label-smoothed cross-entropy)--> BLEU / chrF on the test split through DerivTranslationPipeline
+  --driver (label-smoothed cross-entropy)--> exported folder
+  --> BLEU / chrF on 200 test pairs (or all) through DerivTranslationPipeline, added to run.json and the card
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.nn import functional as F
 from ..data.packing import LengthGroupedSampler, encoded_pairs
 from ..data.parallel import pairs_from_args, split_pairs
 from ..errors import UsageError, refused_as_usage
-from ..inference.evaluate import score
+from ..inference.evaluate import score, spread_sample
 from ..modeling_deriv import DerivForConditionalGeneration, DerivSeq2SeqConfig
 from ..modeling_deriv.pipeline_deriv import DerivTranslationPipeline
 from .driver import run
@@ -145,29 +146,39 @@ class TranslationTask(Task):
         )
 
     def finish(self, model, state_dict, tokenizer, source, data, metrics) -> Outcome:
-        """The test split scored (BLEU, chrF, against copying the source), and the card's words on it."""
+        """The folder's model and the card's words on it; the test split is scored once it is exported."""
         a = self.args
-        model = self.ready(model, tokenizer)
-        test = source.splits["test"][: a.bleu_pairs] if a.bleu_pairs else source.splits["test"]
-        scores = {}
-        if test:
-            self.say(f"scoring {len(test)} test pairs with beam search ({a.num_beams} beams)")
-            scores = score(model, tokenizer, test, a.num_beams, progress=a.progress)
         return Outcome(
-            model,
+            self.ready(model, tokenizer),
             state_dict,
-            metrics=scores,
             procedure={"label_smoothing": a.label_smoothing},
+            card=card_text(data.record, metrics, {}, a.label_smoothing),
+        )
+
+    def score_exported(self, outcome, tokenizer, source, data, metrics) -> Outcome | None:
+        """BLEU and chrF (against copying the source) on --bleu-pairs test pairs spread over the split, or all of
+        them with --full-test-split: beam search over a barely trained model's every pair can take hours."""
+        a, split = self.args, source.splits["test"]
+        test = spread_sample(split, None if a.full_test_split else a.bleu_pairs)
+        if not test:
+            return None
+        self.say(f"scoring {len(test)} of {len(split)} test pairs with beam search ({a.num_beams} beams) ...")
+        scores = {**score(outcome.model, tokenizer, test, a.num_beams, progress=a.progress), "split_pairs": len(split)}
+        self.say(
+            f"test BLEU {scores['bleu']:.2f}, chrF {scores['chrf']:.2f} on {len(test)} pairs in "
+            f"{scores['decode_seconds']:.0f} s; added to run.json and the card"
+        )
+        return dataclasses.replace(
+            outcome,
+            metrics=scores,
             card=card_text(data.record, metrics, scores, a.label_smoothing),
             samples=[
                 f"--- {e['source']!r}\n    -> {e['translation']!r} (reference: {e['reference']!r})"
-                for e in scores.get("examples", [])[: a.samples]
+                for e in scores["examples"][: a.samples]
             ],
             summary=(
                 f"; test BLEU {scores['bleu']:.1f} (copying the source: {scores['copy_source_bleu']:.1f}), "
                 f"chrF {scores['chrf']:.1f}\n{scores['bleu_signature']}"
-                if scores.get("bleu") is not None
-                else ""
             ),
         )
 
@@ -181,10 +192,21 @@ def card_text(data: dict, metrics: dict, scores: dict, label_smoothing: float) -
             f"(loss {metrics['val_loss']:.4f} nats per token).\n\n"
         )
     entries = []
+    if scores.get("bleu") is None and data["test"]:
+        evaluation += (
+            "Not scored on the test split: the run stopped before scoring it. `deriv eval` on this folder translates "
+            "its test pairs and scores them.\n"
+        )
     if scores.get("bleu") is not None:
         m = scores
+        whole = m.get("split_pairs", m["test_pairs"])
+        which = (
+            f"{m['test_pairs']:,} held-out test pairs"
+            if m["test_pairs"] == whole
+            else f"{m['test_pairs']:,} of the {whole:,} held-out test pairs (spread evenly over the split)"
+        )
         evaluation += (
-            f"On {m['test_pairs']:,} held-out test pairs, beam search with {m['num_beams']} beams through the "
+            f"On {which}, beam search with {m['num_beams']} beams through the "
             "`deriv-translation` pipeline (scored with sacrebleu):\n\n"
             "| | BLEU | chrF |\n| --- | ---: | ---: |\n"
             f"| this model | {m['bleu']:.2f} | {m['chrf']:.2f} |\n"
