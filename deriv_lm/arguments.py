@@ -122,7 +122,7 @@ def model_folder(text: str) -> str:
 def existing_folder(text: str) -> str:
     """An argparse type: a folder that is there, or a Hub name (a tokenizer folder: config.json not required)."""
     if not os.path.isdir(text) and _looks_local(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such folder")
+        raise argparse.ArgumentTypeError(f"No such folder: {text}")
     return text
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..arguments import existing_folder
+
 
 def add_card_arguments(card: argparse.ArgumentParser) -> None:
     """`deriv card FOLDER`."""
-    card.add_argument("folder")
+    card.add_argument("folder", type=existing_folder)
     card.add_argument("--repo-id", default=None, help="the repo the usage snippets load (default: the folder name)")
     card.add_argument("--license", default="apache-2.0", help="the license in the card's metadata")
     card.set_defaults(func=run_card)
@@ -16,7 +18,7 @@ def add_card_arguments(card: argparse.ArgumentParser) -> None:
 
 def add_push_arguments(push: argparse.ArgumentParser) -> None:
     """`deriv push FOLDER --repo-id NAME`."""
-    push.add_argument("folder")
+    push.add_argument("folder", type=existing_folder)
     push.add_argument("--repo-id", required=True, help="NAME or OWNER/NAME")
     push.add_argument("--private", action="store_true")
     push.add_argument("--revision", default=None, help="a branch to upload to (made if missing)")
@@ -31,7 +33,7 @@ def add_check_arguments(check: argparse.ArgumentParser) -> None:
         "the folder's own Python files (trust_remote_code=True), which is what it checks. Check only folders you "
         "trust, such as the ones you trained."
     )
-    check.add_argument("folder")
+    check.add_argument("folder", type=existing_folder)
     check.set_defaults(func=run_check)
 
 

@@ -138,3 +138,17 @@ def test_verbose_keeps_the_libraries_progress_bars():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Loading weights" in result.stderr
+
+
+def test_continuous_batching_drops_the_repetition_penalty_once_at_start(caplog):
+    from transformers import GenerationConfig
+
+    from deriv_lm.serving.engines import without_unsupported_settings
+
+    folder_config = GenerationConfig.from_pretrained(NUMBERS_LM)
+    assert folder_config.repetition_penalty == 1.1  # the folders' own setting, which CB would warn about
+    with caplog.at_level("WARNING", logger="deriv_lm.serve"):
+        served = without_unsupported_settings(folder_config)
+    assert served.repetition_penalty is None and folder_config.repetition_penalty == 1.1
+    assert served.temperature == folder_config.temperature and served.top_p == folder_config.top_p
+    assert [r.getMessage() for r in caplog.records if "repetition_penalty=1.1" in r.getMessage()] != []

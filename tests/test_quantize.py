@@ -144,7 +144,7 @@ def test_an_encoder_decoder_quantizes_too(tmp_path):
 
 def test_bad_input_is_refused_in_one_line(quantized, tmp_path, capsys):
     missing = tmp_path / "nowhere"
-    assert "No such folder" in cli_error(["quantize", str(missing), "--out", str(tmp_path / "a")], capsys)
+    assert "no such model folder" in cli_error(["quantize", str(missing), "--out", str(tmp_path / "a")], capsys)
     assert "already quantized (torchao)" in cli_error(
         ["quantize", str(quantized), "--out", str(tmp_path / "b")], capsys
     )

@@ -126,6 +126,30 @@ class _TokenStreamer:
         pass
 
 
+# Generation settings whose logits processors transformers' continuous batching does not run
+# (`supports_continuous_batching = False`), with the values that leave the processor out (the first is set). Left
+# set, every request logs "Processor ... isn't supported by CB. Dropping it." and runs without it anyway.
+CB_UNSUPPORTED = {"repetition_penalty": (None, 1.0), "min_length": (0, None), "min_new_tokens": (None, 0)}
+
+
+def without_unsupported_settings(generation_config):
+    """A copy of `generation_config` without the settings continuous batching cannot apply, said once, at start
+    (the folders' own generation config sets repetition_penalty)."""
+    config = copy.deepcopy(generation_config)
+    dropped = []
+    for name, off in CB_UNSUPPORTED.items():
+        if getattr(config, name, off[0]) not in off:
+            dropped.append(f"{name}={getattr(config, name)}")
+            setattr(config, name, off[0])
+    if dropped:
+        logger.warning(
+            "deriv serve: continuous batching does not apply %s from the folder's generation config; serving "
+            "without it (without --continuous-batching it applies)",
+            ", ".join(dropped),
+        )
+    return config
+
+
 class BatchingEngine:
     """transformers' continuous batching, restarted if its worker dies; one generation config for all."""
 
@@ -133,7 +157,7 @@ class BatchingEngine:
 
     def __init__(self, model, generation_config, batching_config):
         self.model = model
-        self.generation_config = generation_config
+        self.generation_config = without_unsupported_settings(generation_config)
         self.batching_config = batching_config
         self.jobs: dict[str, Job] = {}
         self.restarts = 0
