@@ -1,10 +1,10 @@
 """The `deriv` console script: `deriv --help` in a blink, every command as `deriv_lm.cli.main` runs it.
 
-Importing anything under `deriv_lm` runs the package's `__init__`, which imports torch and transformers (seconds)
-so that the Auto classes know Deriv's models. The top-level parser needs neither: `deriv_lm/cli.py` imports only
-the standard library when it is loaded, so this launcher reads that file on its own, without the package, and
-lets its parser answer `--help` and a missing or unknown command. A command to run is handed, whole, to
-`deriv_lm.cli.main`.
+The top-level parser needs neither torch nor transformers: `deriv_lm/cli.py` imports only the standard library
+when it is loaded, so this launcher reads that file on its own, without the package, and lets its parser answer
+`--help` and a missing or unknown command. (The package's `__init__` is lazy too, and each command's arguments,
+paths included, are checked before its room imports torch; reading cli.py alone keeps `--help` independent of
+every room.) A command to run is handed, whole, to `deriv_lm.cli.main`.
 """
 
 import importlib.util
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if table is not None:
         table.build_parser().parse_args(argv)  # exits here for --help, no command or an unknown one
     try:
-        from deriv_lm.cli import main as run  # seconds: torch and transformers
+        from deriv_lm.cli import main as run
     except KeyboardInterrupt:  # Ctrl-C before any command ran: the same line as a command's
         print("deriv: interrupted (SIGINT)", file=sys.stderr)
         return 130

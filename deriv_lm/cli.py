@@ -4,7 +4,9 @@ The top-level parser is built from `COMMANDS` alone, without importing any room:
 takes the rest of the line as it is. Only the command given is then built for real (its room imported, its
 arguments added by the function its entry names) and parses that rest. So this file imports nothing but the
 standard library when it is loaded, and `deriv_lm_cli` (the console script) answers `deriv --help` from it
-without importing the package, whose `__init__` imports torch and transformers to register the Auto classes.
+without importing the package. The rooms' command modules import torch and transformers only in the functions
+that run a command, and paths are checked as the line is parsed (`deriv_lm.arguments.model_folder`), so bad
+input is refused in a blink. The libraries' own progress bars and advisory warnings are off unless `--verbose`.
 
 Bad input ends in one line, `deriv: error: ...`, naming the flag, file or folder and what is allowed,
 and exit status 2; `deriv --debug ...` (or DERIV_DEBUG=1) shows the traceback instead. Any other exception is a
