@@ -319,7 +319,11 @@ def test_each_tasks_help_shows_the_defaults_of_its_own_preset(task, defaults, ca
     text = help_text(task, capsys, monkeypatch)
     for flag, value in defaults.items():
         assert default_in(text, flag) == value
-    expected_context = {"lm": "128", "translation": "64", "sft": "128"}[task]
+    expected_context = {  # a task that can start from a folder takes its context from it when none is given
+        "lm": "128, or the --init-from model's positions",
+        "translation": "64",
+        "sft": "the --init-from model's positions; 128 for a new model",
+    }[task]
     assert default_in(text, "--max-position-embeddings") == expected_context
     assert "--context-length" in text  # the alias the README's commands use
 
