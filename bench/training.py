@@ -168,10 +168,7 @@ def print_scaling_rows(rows: list[tuple], steps: int, peak: float) -> None:
 def flops_per_token(a) -> float:
     """6 x (matrix parameters) + 12 L d T: a training step's FLOPs per token (the PaLM appendix's count)."""
     n_matrix = 12 * a.num_hidden_layers * a.hidden_size**2 + a.vocab_size * a.hidden_size
-    from ..training.args import NEW_MODEL_CONTEXT
-
-    context = a.max_position_embeddings or NEW_MODEL_CONTEXT  # None: a preset's new model, not yet run
-    return 6 * n_matrix + 12 * a.num_hidden_layers * a.hidden_size * context
+    return 6 * n_matrix + 12 * a.num_hidden_layers * a.hidden_size * a.max_position_embeddings
 
 
 def run(args: argparse.Namespace) -> int:

@@ -421,7 +421,8 @@ def test_the_context_defaults_to_the_base_models_positions(tmp_path, chat_file):
     args = chat_args(tmp_path, chat_file, max_position_embeddings=None)  # numbers_lm has 64 positions, not 128
     ChatTask(args)
     assert args.max_position_embeddings == 64
-    assert ChatTrainingArguments(max_position_embeddings=None).max_position_embeddings is None  # until a run
+    assert ChatTrainingArguments(init_from="x").max_position_embeddings is None  # until the task reads the folder
+    assert ChatTrainingArguments().max_position_embeddings == 128  # a new model's
 
 
 def test_a_context_longer_than_the_base_allows_is_refused_before_the_run_starts(tmp_path, chat_file, monkeypatch):

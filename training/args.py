@@ -186,6 +186,13 @@ NOT_CONFIG = ("init_from",)
 NEW_MODEL_CONTEXT = 128  # the context of a run that builds a new model (no --init-from) and is given none
 
 
+def _new_model_context(model) -> None:
+    """A new model's context, when none is given, is `NEW_MODEL_CONTEXT`; with --init-from it stays None until the
+    task reads the folder's positions (`lm.fit_context_to_base`)."""
+    if model.max_position_embeddings is None and model.init_from is None:
+        model.max_position_embeddings = NEW_MODEL_CONTEXT
+
+
 @dataclass
 class ModelArguments:
     """The language model's shape, each field named as in `DerivConfig`."""
@@ -211,6 +218,7 @@ class ModelArguments:
     def __post_init__(self) -> None:
         _positive(self, "max_position_embeddings", optional=True)
         _positive(self, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        _new_model_context(self)
         check_range("dropout", self.dropout, minimum=0, below=1)
         _hidden_act(self.hidden_act)
         _heads_divide(self.hidden_size, self.num_attention_heads, "num_attention_heads")
@@ -268,6 +276,7 @@ class ChatModelArguments:
     def __post_init__(self) -> None:
         _positive(self, "max_position_embeddings", optional=True)
         check_range("dropout", self.dropout, minimum=0, below=1)
+        _new_model_context(self)
 
 
 @dataclass
