@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	@echo "setup: installing $(TORCH) (the CPU build on this project's CI machines; about a minute)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) $(SETUP_PIP) "$(TORCH)"
 	@echo "setup: installing deriv-lm and its dependencies at the versions in $(LOCK) (a few minutes)"
-	$(PY) $(SETUP_PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve,trl]"
+	$(PY) $(SETUP_PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve,trl,eval]"
 	touch $(STAMP)
 	@echo "setup: done; $(VENV)/bin/deriv is the deriv command"
 
@@ -62,7 +62,7 @@ test-newest:
 	$(PYTHON) -m venv .venv-newest
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade pip
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) torch
-	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz,onnx,serve,trl]"
+	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz,onnx,serve,trl,eval]"
 	.venv-newest/bin/python -m pip freeze --exclude-editable > .venv-newest/freeze.txt
 	.venv-newest/bin/python -m pytest -q $(PYTEST_ARGS)
 
