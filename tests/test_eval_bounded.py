@@ -9,6 +9,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ from conftest import cli_error
 
 from deriv_lm.cli import main
 from deriv_lm.inference.evaluate import TEST_SAMPLE, sliding_window_perplexity, spread_sample
+
+
+DATA = Path(__file__).parent / "data"
 
 
 # ---- the pieces ------------------------------------------------------------------------------------------------
@@ -175,3 +179,30 @@ def test_validation_perplexity_is_finite_after_the_rewrite(tmp_path):
     assert math.isfinite(record["metrics"]["val_perplexity"])
     assert (tmp_path / "mt" / "model.safetensors").stat().st_nlink >= 1
     assert not list(tmp_path.glob(".mt.*"))  # no temporary folder left beside it
+
+
+def test_scoring_caps_each_batch_at_twice_its_longest_source_plus_ten(monkeypatch):
+    """A model that never says </s> (eos switched off) decodes each batch to exactly its cap: 2 x the longest
+    source's tokens + 10, never past the folder's own max_new_tokens."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from deriv_lm.inference.evaluate import MAX_LENGTH_A, MAX_LENGTH_B, translate_within_length
+
+    folder = DATA / "numbers_en"
+    model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    model.generation_config.eos_token_id = None
+    ceiling = model.generation_config.max_new_tokens
+    new_tokens, generate = [], model.generate
+
+    def recording(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        new_tokens.append(out.shape[1] - 1)  # less the decoder start token
+        return out
+
+    monkeypatch.setattr(model, "generate", recording)
+    sources = ["one", "two", "three hundred", "seven thousand four hundred twelve"]  # two batches, short and long
+    translate_within_length(model, tokenizer, sources, batch_size=2, progress=False, num_beams=1)
+    lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in sources]
+    caps = [min(ceiling, MAX_LENGTH_A * max(lengths[i : i + 2]) + MAX_LENGTH_B) for i in (0, 2)]
+    assert new_tokens == caps
+    assert caps[0] < ceiling, "the short batch must be the one the cap shortens"
