@@ -92,7 +92,7 @@ def number(
     return parse
 
 
-def _looks_local(text: str) -> bool:
+def looks_local(text: str) -> bool:
     """A name that can only be a path: it exists, is absolute or relative (`.`), ends in a slash, has more than one
     slash, or starts in a folder that is here (`runs/deriv-tiny` with `runs/` present). Otherwise it may be a
     Hub name (`gpt2`, `user/model`), which only loading can check."""
@@ -114,14 +114,14 @@ def model_folder(text: str) -> str:
         if not os.path.isfile(os.path.join(text, "config.json")):
             raise argparse.ArgumentTypeError(f"{text} is not a model folder: it has no config.json")
         return text
-    if _looks_local(text):
+    if looks_local(text):
         raise argparse.ArgumentTypeError(f"{text}: no such model folder")
     return text
 
 
 def existing_folder(text: str) -> str:
     """An argparse type: a folder that is there, or a Hub name (a tokenizer folder: config.json not required)."""
-    if not os.path.isdir(text) and _looks_local(text):
+    if not os.path.isdir(text) and looks_local(text):
         raise argparse.ArgumentTypeError(f"No such folder: {text}")
     return text
 

@@ -43,6 +43,9 @@ class Command(NamedTuple):
     name: str
     help: str | None  # its line in `deriv --help`; None for an old spelling that still works but is not listed
     arguments: str  # "module:function" under deriv_lm: adds the command's arguments and its `func` to a parser
+    # "module:function" under deriv_lm, given the rest of the line before the parser is built: for a command whose
+    # parser is costly to build (train's HfArgumentParser imports transformers), the checks that need no parser
+    precheck: str | None = None
 
 
 COMMANDS = (
@@ -50,6 +53,7 @@ COMMANDS = (
         "train",
         "train a model (lm: the decoder language model; translation: the encoder-decoder; sft: chat fine-tuning)",
         "training.commands:add_arguments",
+        "training.commands:check_line",
     ),
     Command("generate", "generate text from a trained model folder", "inference.commands:add_generate_arguments"),
     Command(
@@ -195,6 +199,9 @@ def _run(top: argparse.Namespace, debug: bool) -> int:
     """Build the command's parser (importing its room), parse the rest of the line, run it: bad input -> one line
     and status 2; any other exception is a bug -> its traceback, the line that says so, and status 1. Under
     `--debug` every exception propagates with its traceback."""
+    refused = _precheck(top)
+    if refused:
+        return refused
     args = command_parser(top.command).parse_args(top.rest, argparse.Namespace(debug=top.debug, command=top.command))
     try:
         return args.func(args) or 0
@@ -217,6 +224,25 @@ def _run(top: argparse.Namespace, debug: bool) -> int:
 
     print(f"deriv: error: {one_line(error)}", file=sys.stderr)
     return 2
+
+
+def _precheck(top: argparse.Namespace) -> int:
+    """Run the command's precheck on the raw line, if it has one: bad input -> one line and status 2, else 0."""
+    command = next(c for c in COMMANDS if c.name == top.command)
+    if command.precheck is None:
+        return 0
+    from .errors import bad_input, one_line
+
+    module, function = command.precheck.split(":")
+    try:
+        getattr(importlib.import_module(f"deriv_lm.{module}"), function)(top.rest)
+    except Exception as caught:
+        error = bad_input(caught)
+        if error is None or top.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"deriv: error: {one_line(error)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def build_parser() -> Parser:

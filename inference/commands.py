@@ -66,7 +66,7 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
         "split (--full-test-split for all; --all-pairs scores every pair, for a separate test file). --tasks runs "
         "lm-evaluation-harness tasks instead."
     )
-    ev.add_argument("folder")
+    ev.add_argument("folder", type=model_folder)
     ev.add_argument("--stride", type=integer(minimum=1), default=None, help="default: half the context")
     ev.add_argument(
         "--max-tokens",

@@ -44,8 +44,17 @@ def probe(*argv: str, cwd=ROOT) -> tuple[dict, list[str]]:
         ["quantize", "/nonexistent", "--out", "/tmp/never-written"],
         ["import", "/nonexistent", "--out", "/tmp/never-written"],
         ["tokenizer", "show", "/nonexistent", "x"],
+        ["eval", "/nonexistent"],
+        ["check", "/nonexistent"],
+        ["card", "/nonexistent"],
+        ["train", "lm", "--files", "/nonexistent.txt"],
+        ["train", "lm", "--files=/nonexistent/*.txt"],
+        ["train", "lm", "--init-from", "/nonexistent"],
+        ["train", "translation", "--files", str(ROOT / "README.md"), "/nonexistent.tsv"],
+        ["train", "sft", "--init-from=/nonexistent"],
+        ["train", "lm", "--tokenizer", "/nonexistent"],
     ],
-    ids=lambda argv: " ".join(argv[:2]),
+    ids=lambda argv: " ".join(argv[:3]),
 )
 def test_a_missing_folder_is_refused_in_one_line_before_torch_is_imported(argv):
     outcome, lines = probe(*argv)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 
+from ..arguments import looks_local
 from ..errors import MissingFile, require_extra
 from . import args as training_args
 
@@ -68,21 +70,21 @@ def settings(namespace: argparse.Namespace):
 
 
 def run_lm(namespace: argparse.Namespace) -> int:
+    args = check_paths(settings(check_paths(namespace)))
     from .lm import train_lm
 
-    return _run_training(train_lm, settings(namespace), namespace.cpu)
+    return _run_training(train_lm, args, namespace.cpu)
 
 
 def run_translation(namespace: argparse.Namespace) -> int:
+    args = check_paths(settings(check_paths(namespace)))
     from .translation import train_translation
 
-    return _run_training(train_translation, settings(namespace), namespace.cpu)
+    return _run_training(train_translation, args, namespace.cpu)
 
 
 def run_sft(namespace: argparse.Namespace) -> int:
-    from .sft import train_sft
-
-    args = settings(namespace)
+    args = settings(check_paths(namespace))
     if args.lora:
         require_extra("lora", "deriv train sft --lora")  # before the data is read and the model loaded
     default = training_args.CHAT_PRESETS[args.preset]["init_from"]
@@ -90,7 +92,55 @@ def run_sft(namespace: argparse.Namespace) -> int:
         raise MissingFile(
             f"--init-from {default}: no such model folder; run `deriv train lm` first, or name a folder to fine-tune"
         )
+    check_paths(args)
+    from .sft import train_sft
+
     return _run_training(train_sft, args, namespace.cpu)
+
+
+# The flags that name a file or folder, as `check_line` reads them off the raw line.
+PATH_FLAGS = ("--files", "--init-from", "--tokenizer")
+
+
+def check_line(rest: list[str]) -> None:
+    """`check_paths` on the flags of the raw line (`--files a b`, `--init-from=x`), before the parser is built:
+    building it imports transformers (HfArgumentParser; a second or more), so a typo would wait for that."""
+    given: dict[str, list[str]] = {}
+    flag = None
+    for word in rest:
+        name, equals, value = word.partition("=")
+        if word.startswith("-"):
+            flag = name if name in PATH_FLAGS else None
+            if flag and equals:
+                given.setdefault(flag, []).append(value)
+                flag = flag if flag == "--files" else None
+        elif flag:
+            given.setdefault(flag, []).append(word)
+            flag = flag if flag == "--files" else None  # --files takes several; the others one
+    last = {flag: values[-1] for flag, values in given.items() if flag != "--files"}
+    check_paths(
+        argparse.Namespace(
+            files=given.get("--files", []), init_from=last.get("--init-from"), tokenizer=last.get("--tokenizer")
+        )
+    )
+
+
+def check_paths(args):
+    """The files and folders a run names, checked before torch and transformers are imported (seconds of it): a
+    typo ends in a blink, not after the imports. Called on the line's flags before the settings are made (making
+    them checks the model's activation against the model room, which imports torch), then on the settings, for
+    what a --config file names. Names that may be Hub ids (`gpt2`) are left to loading."""
+    for entry in getattr(args, "files", None) or []:
+        found = os.path.exists(entry) or (any(c in entry for c in "*?[") and glob.glob(entry, recursive=True))
+        if not found:
+            raise MissingFile(f"No such file or folder: {entry}")
+    for flag, value in (
+        ("--init-from", getattr(args, "init_from", None)),
+        ("--tokenizer", getattr(args, "tokenizer", None)),
+    ):
+        if value and not os.path.isdir(value) and looks_local(value):
+            raise MissingFile(f"{flag} {value}: no such folder")
+    return args
 
 
 def _run_training(train, args, cpu: bool) -> int:
