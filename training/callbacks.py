@@ -115,6 +115,11 @@ class LogMetrics(TrainerCallback):
                 f.write(json.dumps(record) + "\n")
         if trainer.args.report_to != "none":
             trainer.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=trainer.state.step)
+        if "train_loss" in record and not trainer.bars:  # no bar to show it on: a line (main process only)
+            trainer.print(
+                f"step {record['step']}: training loss {record['train_loss']:.4f}, lr {record['learning_rate']:.1e}, "
+                f"{record['tokens_per_second']:.0f} tokens/s"
+            )
         if "train_loss" in record:
             trainer.bar.set_postfix(
                 loss=f"{record['train_loss']:.3f}",

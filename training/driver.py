@@ -15,6 +15,7 @@ card; samples
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sized
 
@@ -37,6 +38,7 @@ def run(args, task, cpu: bool = False, callbacks=None) -> str:
     initial = task.open_init_from() if args.init_from else None
     trainer = Trainer(args, cpu=cpu, callbacks=callbacks)  # callbacks: after the built-in ones (callbacks.py)
     accelerator = trainer.accelerator
+    _datasets_bars(trainer.bars)  # datasets' map bars (tokenizing, packing) follow the run's: on a terminal only
     task.say = accelerator.print
     accelerator.print(args.describe())  # the resolved settings, by concern (the main process's)
     source = task.read()
@@ -70,6 +72,12 @@ def run(args, task, cpu: bool = False, callbacks=None) -> str:
     return args.output_dir
 
 
+def _datasets_bars(on: bool) -> None:
+    import datasets
+
+    (datasets.enable_progress_bars if on else datasets.disable_progress_bars)()
+
+
 def load_or_train_tokenizer(args, texts, accelerator):
     """An existing tokenizer (--init-from's, --tokenizer, or the one an earlier run of this output_dir trained), or
     a new one trained on `texts()`: the training split only, so validation and test text is never seen by it."""
@@ -84,7 +92,7 @@ def load_or_train_tokenizer(args, texts, accelerator):
         if given and tokenizer_file(given) is None:
             raise MissingFile(f"No tokenizer.json in {given}")
         if not given and not os.path.exists(os.path.join(folder, "tokenizer.json")):
-            progress = args.progress and accelerator.is_main_process
+            progress = args.progress and accelerator.is_main_process and sys.stderr.isatty()  # bars on a terminal only
             tokenizer, summary = train_bpe(texts(), args.vocab_size, special_tokens_with(), progress=progress)
             save_tokenizer(tokenizer, folder, model_max_length=args.max_position_embeddings)
             accelerator.print(

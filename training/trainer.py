@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 
@@ -76,6 +77,9 @@ class Trainer:
             acquire_run_lock(args.output_dir, say=self.accelerator.print)
         for note in args.notes():  # settings that cannot do what they say: allowed, never silent
             self.accelerator.print(f"note: {note}")
+        # Progress bars on a terminal only: piped into a log, a bar is a line of carriage returns, so there the run
+        # says where it is with a line per log record instead (LogMetrics.on_log).
+        self.bars = args.progress and self.accelerator.is_main_process and sys.stderr.isatty()
         set_seed(args.seed)
         self.state = TrainerState()
         self.checkpoints = Checkpoints(self.accelerator, args.checkpoint_dir, args.keep_checkpoints)
@@ -156,7 +160,7 @@ class Trainer:
             initial=self.state.step,
             desc="training",
             unit="step",
-            disable=not (self.args.progress and self.accelerator.is_main_process),
+            disable=not self.bars,
             dynamic_ncols=True,
         )
         self.model.train()
