@@ -69,7 +69,7 @@ def run_push(ns: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:  # bad input: the CLI prints one `deriv: error:` line
         raise _folder_error(error) from error
     except PushError as error:  # the upload itself failed
-        print(f"error: {error}", file=sys.stderr)
+        print(f"deriv: error: {error}", file=sys.stderr)
         return 1
     print(f"uploaded: {url}")
     return 0
