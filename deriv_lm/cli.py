@@ -193,6 +193,9 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # subtle: transformers' bars follow huggingface_hub's switch, read once when transformers.utils.logging loads
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # datasets' bars ("Generating train split" as `deriv eval` reads a corpus); a training run turns its own maps'
+    # bars (tokenizing, packing) back on where stderr is a terminal (training/driver.py)
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def _run(top: argparse.Namespace, debug: bool) -> int:
