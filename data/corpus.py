@@ -240,7 +240,7 @@ def too_few_documents(corpus: Corpus, needed: int, why: str) -> None:
     (reading stops at the `needed`-th). `why`: what the documents are needed for."""
     if not corpus.files:
         return  # the embedded corpus is large; a dataset is not read twice to count it
-    found = sum(1 for _ in itertools.islice(corpus, needed))
+    found = sum(1 for _ in itertools.islice((text for text in corpus if text.strip()), needed))  # with text
     if found >= needed:
         return
     if len(corpus.files) == 1 and corpus.files[0].endswith(".txt"):
@@ -251,6 +251,8 @@ def too_few_documents(corpus: Corpus, needed: int, why: str) -> None:
     else:
         fix = "add text or files (among several files each .txt file is one document)"
     names = ", ".join(corpus.files) if len(corpus.files) <= 3 else f"the {len(corpus.files)} files"
+    if found == 0:
+        raise UsageError(f"The corpus is empty ({names}: no document has any text).")
     give = "gives" if len(corpus.files) == 1 else "give"
     raise UsageError(f"{names} {give} {found} document(s); at least {needed} are needed {why}: {fix}.")
 

@@ -224,7 +224,8 @@ def test_a_stream_shorter_than_the_validation_documents_is_one_line(tmp_path, ca
     short = tmp_path / "short.jsonl"
     short.write_text("".join(json.dumps({"text": document(i)}) + "\n" for i in range(HELD_OUT)))
     line = cli_error(["train", "lm", "--files", str(short), "--output-dir", str(tmp_path / "out"), *TINY], capsys)
-    assert "has 20 document(s), and --validation-documents 20 holds them all out" in line
+    # refused up front, before the tokenizer or the model is built (data/corpus.py: too_few_documents)
+    assert "gives 20 document(s); at least 21 are needed to hold out --validation-documents 20" in line
 
 
 def test_max_documents_within_the_validation_documents_is_one_line(stream_file, tmp_path, capsys):
