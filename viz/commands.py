@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..arguments import command_name, integer, model_folder, number
+from ..arguments import command_name, existing_folder, integer, model_folder, number
 from ..errors import UsageError, require_extra
 
 
@@ -46,8 +46,8 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
     )
     pos.add_argument("--out", default="positions.png")
     pos.set_defaults(func=_plotting(lambda ns: _done(_positions(ns))))
-    tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text")
-    tok.add_argument("folder", type=model_folder)
+    tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text (a model's or a tokenizer's folder)")
+    tok.add_argument("folder", type=existing_folder)
     add_trust_argument(tok)
     tok.add_argument("text", help="counted whole; the picture draws its first tokens (a note says where it stops)")
     tok.add_argument("--out", default="tokens.png")
