@@ -143,7 +143,8 @@ def test_training_bench_compares_a_training_flag_side_by_side(capsys):
     assert "| preset | plain tokens/s | gradient checkpointing tokens/s | ratio |" in out
     cells = [c.strip() for c in [line for line in out.splitlines() if line.startswith("| tiny |")][0].split("|")[2:-1]]
     plain, checkpointed, ratio = float(cells[0]), float(cells[1]), float(cells[2])
-    assert plain > 0 and checkpointed > 0 and ratio == round(checkpointed / plain, 2)
+    # the ratio is of the unrounded rates, the cells are rounded: equal within the rounding
+    assert plain > 0 and checkpointed > 0 and abs(ratio - checkpointed / plain) <= 0.01
 
 
 def test_training_bench_scaling_runs_one_and_two_processes_and_prints_the_efficiency(capsys):
