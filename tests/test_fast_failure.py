@@ -3,6 +3,7 @@
 and a normal command prints nothing of the libraries' own on stderr."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +128,12 @@ def test_a_bare_generate_prints_nothing_on_stderr():
     assert result.stderr == ""
 
 
+# What `deriv` sets (setdefault) to quiet the libraries; an in-process `main()` earlier in the session leaves them
+# in this process's environment, which a child would inherit as if the user had set them.
+QUIET = ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS")
+FRESH_ENV = {k: v for k, v in os.environ.items() if k not in QUIET + ("HF_DATASETS_DISABLE_PROGRESS_BARS",)}
+
+
 def test_verbose_keeps_the_libraries_progress_bars():
     # what transformers itself prints loading the folder, outside deriv's command (transformers 5.23 has no bar)
     own = subprocess.run(
@@ -140,6 +147,7 @@ def test_verbose_keeps_the_libraries_progress_bars():
         text=True,
         cwd=ROOT,
         timeout=600,
+        env=FRESH_ENV,
     )
     assert own.returncode == 0, own.stderr[-3000:]
     if "Loading weights" not in own.stderr:
@@ -160,6 +168,7 @@ def test_verbose_keeps_the_libraries_progress_bars():
         text=True,
         cwd=ROOT,
         timeout=600,
+        env=FRESH_ENV,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Loading weights" in result.stderr

@@ -247,8 +247,8 @@ def test_serve_listens_on_loopback_unless_told_otherwise():
     from deriv_lm.cli import command_parser
 
     parser = command_parser("serve")
-    assert parser.parse_args(["folder"]).host == "127.0.0.1"
-    assert parser.parse_args(["folder", "--host", "0.0.0.0"]).host == "0.0.0.0"
+    assert parser.parse_args(["user/model"]).host == "127.0.0.1"
+    assert parser.parse_args(["user/model", "--host", "0.0.0.0"]).host == "0.0.0.0"
 
 
 def test_sigterm_stops_it_with_status_0_and_ctrl_c_with_130(folder, tmp_path):
