@@ -1,0 +1,490 @@
+"""The explorer's numbers: tokens, embeddings, attention, the next token's distribution and generation steps
+of one loaded folder, as JSON-ready dicts (lists of floats, never tensors).
+
+Every number comes from the model's own code paths: one eager forward pass with `output_attentions=True` for
+the attention and the logits, transformers' logits processors (in the order `generate()` applies them) for
+the distribution, and `generate()` itself, with its cache, for the steps. The one formula here is the KV
+cache's size, which the tests check against the real cache's bytes. Bad input raises `UsageError` whose
+message names the field and the limit; its `field` attribute names the field for the web app.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ...errors import UsageError
+from ...tokenization.viewer import _token_bytes
+
+
+MAX_STEPS = 64
+MAX_TOP = 100
+SHOWN_DIMS = 64
+DECIMALS = 5
+PENALTY_LIMIT = 2.0
+MAX_TEMPERATURE = 100.0
+SETTINGS = ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty")
+
+
+def refuse(field_name: str, message: str) -> UsageError:
+    """A UsageError that carries the field it is about (the app answers 400 with `field` set)."""
+    error = UsageError(message)
+    error.field = field_name
+    return error
+
+
+@dataclass
+class Explorer:
+    """One loaded folder, switched to eager attention, and the facts every function needs; `lock` serialises
+    the model calls (one request at a time)."""
+
+    path: str
+    model: object
+    tokenizer: object
+    kind: str  # "decoder" or "seq2seq"
+    context: int
+    vocab_size: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _backend: dict | None = None  # tokenizer.json, parsed once when merges are first asked for
+
+    @classmethod
+    def open(cls, folder: str, device: str = "cpu") -> Explorer:
+        """The folder loaded as every command loads one (`load_folder`: safetensors only, Deriv's installed
+        classes, no trust_remote_code, an adapter merged), with the eager kernel that returns attention weights."""
+        from ...folder.load import load_folder
+
+        loaded = load_folder(folder)
+        model = loaded.model.to(device) if device != "cpu" else loaded.model
+        model.set_attn_implementation("eager")
+        model.eval()
+        kind = "seq2seq" if model.config.is_encoder_decoder else "decoder"
+        return cls(
+            path=os.path.abspath(str(folder)),
+            model=model,
+            tokenizer=loaded.tokenizer,
+            kind=kind,
+            context=model.config.max_position_embeddings,
+            vocab_size=model.config.vocab_size,
+        )
+
+    @property
+    def seq2seq(self) -> bool:
+        return self.kind == "seq2seq"
+
+    @property
+    def target_vocab_size(self) -> int:
+        """The decoder's vocabulary: a translation model's target side may have its own."""
+        return getattr(self.model.config, "decoder_vocab_size", None) or self.vocab_size
+
+    def backend(self) -> dict:
+        if self._backend is None:
+            self._backend = json.loads(self.tokenizer.backend_tokenizer.to_str())
+        return self._backend
+
+
+# ----- facts -----
+
+
+def _is_quantized(model) -> bool:
+    """True for an int8 folder: `deriv quantize` leaves torchao tensor subclasses (or a quantization config)."""
+    if getattr(model.config, "quantization_config", None) is not None:
+        return True
+    return any(type(p).__name__ != "Parameter" and type(p) is not torch.Tensor for p in model.parameters())
+
+
+def _dtype_bytes(ex: Explorer) -> int:
+    """Bytes per cached number: the dtype the activations (and so the cache) are in."""
+    return torch.empty((), dtype=ex.model.dtype).element_size()
+
+
+def _defaults(ex: Explorer) -> dict:
+    """temperature, top_k and top_p as generate() would use them: the folder's generation config, else the
+    library's defaults."""
+    from transformers import GenerationConfig
+
+    fallback = GenerationConfig._get_default_generation_params()
+    config = ex.model.generation_config
+    values = {}
+    for name in ("temperature", "top_k", "top_p"):
+        value = getattr(config, name, None)
+        values[name] = fallback[name] if value is None else value
+    return values
+
+
+def _stack_facts(ex: Explorer) -> tuple[int, int]:
+    """(layers, heads) of the stack that generates: the decoder."""
+    config = ex.model.config
+    if ex.seq2seq:
+        return config.decoder_layers, config.decoder_attention_heads
+    return config.num_hidden_layers, config.num_attention_heads
+
+
+def _tokenizer_kind(ex: Explorer) -> str:
+    return ex.backend()["model"].get("type") or type(ex.tokenizer).__name__
+
+
+def info(ex: Explorer) -> dict:
+    config = ex.model.config
+    layers, heads = _stack_facts(ex)
+    scale = _token_embedding(ex).embed_scale
+    facts = {
+        "name": os.path.basename(ex.path.rstrip(os.sep)),
+        "kind": ex.kind,
+        "model_type": config.model_type,
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": heads,  # every head has its own keys and values (no grouped-query attention)
+        "hidden_size": config.hidden_size,
+        "head_dim": config.hidden_size // heads,
+        "vocab_size": ex.vocab_size,
+        "context": ex.context,
+        "position_type": config.position_embedding_type,
+        "embed_scale": float(scale),
+        "pre_norm": bool(config.pre_norm),
+        "activation": config.hidden_act,
+        "dtype": str(ex.model.dtype).removeprefix("torch."),
+        "quantized": _is_quantized(ex.model),
+        "tokenizer": _tokenizer_kind(ex),
+        "defaults": _defaults(ex),
+    }
+    if ex.seq2seq:
+        facts["encoder_layers"] = config.encoder_layers
+        facts["decoder_layers"] = config.decoder_layers
+    return facts
+
+
+# ----- inputs -----
+
+
+def _check_ids(ids, field_name: str, vocab: int) -> list[int]:
+    if not isinstance(ids, list | tuple):
+        raise refuse(field_name, f"{field_name} should be a list of token ids")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise refuse(field_name, f"{field_name} holds {i!r}, not a token id (an integer)")
+        if not 0 <= i < vocab:
+            raise refuse(field_name, f"{field_name} holds {i}; token ids run from 0 to {vocab - 1}")
+    return list(ids)
+
+
+def _encode(ex: Explorer, text, field_name: str) -> list[int]:
+    if not isinstance(text, str):
+        raise refuse(field_name, f"{field_name} should be a string")
+    return ex.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _one_side(ex: Explorer, inputs: dict, text_key: str, ids_key: str, vocab: int, limit: int) -> list[int] | None:
+    """The ids of one side (`text` or `ids`; `target` or `target_ids`), checked; None when neither is given."""
+    text, ids = inputs.get(text_key), inputs.get(ids_key)
+    if text is not None and ids is not None:
+        raise refuse(ids_key, f"give {text_key} or {ids_key}, not both")
+    if text is None and ids is None:
+        return None
+    field_name = text_key if text is not None else ids_key
+    tokens = _encode(ex, text, text_key) if text is not None else _check_ids(ids, ids_key, vocab)
+    if len(tokens) > limit:
+        raise refuse(
+            field_name, f"the {text_key} is {len(tokens)} tokens; this model reads at most {limit} (its context)"
+        )
+    return tokens
+
+
+@dataclass
+class Inputs:
+    """Checked ids: the text (a translation model's source), and for a translation model the decoder's input,
+    beginning with its start token."""
+
+    ids: list[int]
+    decoder_ids: list[int] | None = None
+
+
+def _inputs(ex: Explorer, inputs: dict) -> Inputs:
+    """`inputs` checked: exactly one of text/ids, within the vocabulary and the context, not empty. A translation
+    model's target (`target`/`target_ids`, without the start token) may be empty; when neither is given it is
+    the model's own greedy translation of the source."""
+    if not isinstance(inputs, dict):
+        raise refuse("text", "the inputs should be an object with text or ids")
+    allowed = {"text", "ids"} | ({"target", "target_ids"} if ex.seq2seq else set())
+    for key in inputs:
+        if key not in allowed:
+            raise refuse(key, f"{key} is not an input here (expected: {', '.join(sorted(allowed))})")
+    ids = _one_side(ex, inputs, "text", "ids", ex.vocab_size, ex.context)
+    if ids is None:
+        raise refuse("text", "give text or ids")
+    if not ids:
+        raise refuse("text" if "text" in inputs else "ids", f"the {'text' if 'text' in inputs else 'ids'} is empty")
+    if not ex.seq2seq:
+        return Inputs(ids)
+    start = ex.model.config.decoder_start_token_id
+    target = _one_side(ex, inputs, "target", "target_ids", ex.target_vocab_size, ex.context - 1)
+    if target is None:
+        return Inputs(ids, _greedy_translation(ex, ids))
+    return Inputs(ids, [start] + target)
+
+
+@torch.no_grad()
+def _greedy_translation(ex: Explorer, ids: list[int]) -> list[int]:
+    """The decoder's input for the model's own greedy translation (start token first), as
+    `viz.attention.attention_maps` makes it."""
+    source = torch.tensor([ids], device=ex.model.device)
+    generated = ex.model.generate(input_ids=source, num_beams=1, do_sample=False, max_new_tokens=ex.context - 1)
+    return generated[0].tolist()
+
+
+def _token(ex: Explorer, token_id: int) -> dict:
+    raw = ex.tokenizer.convert_ids_to_tokens(token_id)
+    special = token_id in set(ex.tokenizer.all_special_ids)
+    return {"id": token_id, "piece": _piece(ex, raw, special), "raw": raw, "special": special}
+
+
+def _piece(ex: Explorer, raw: str | None, special: bool) -> str:
+    """The text a token stands for: a byte-level piece's bytes as UTF-8 (U+FFFD for a partial character); a
+    SentencePiece piece with its '▁' as the space it stands for."""
+    if raw is None:
+        return ""
+    if special:
+        return raw
+    if _byte_level(ex):
+        return _token_bytes(raw).decode("utf-8", errors="replace")
+    return raw.replace("\u2581", " ")
+
+
+def _byte_level(ex: Explorer) -> bool:
+    decoder = ex.backend().get("decoder") or {}
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", []) or []]
+    return "ByteLevel" in kinds
+
+
+# ----- settings and the logits processors -----
+
+
+def _number(settings: dict, name: str, default, lowest, highest, low_open: bool = False):
+    value = settings.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise refuse(name, f"{name} should be a number, not {value!r}")
+    below = value <= lowest if low_open else value < lowest
+    if below or value > highest:
+        opening = "(" if low_open else "["
+        raise refuse(name, f"{name} is {value}; it should be in {opening}{lowest}, {highest}]")
+    return value
+
+
+def check_settings(ex: Explorer, settings: dict | None) -> dict:
+    """The sampling settings, each checked and defaulted (temperature, top_k and top_p: the folder's generation
+    config, as generate() would use them; the penalties: 0)."""
+    settings = {} if settings is None else settings
+    if not isinstance(settings, dict):
+        raise refuse("settings", "settings should be an object")
+    for key in settings:
+        if key not in SETTINGS:
+            raise refuse(key, f"{key} is not a setting (expected: {', '.join(SETTINGS)})")
+    defaults = _defaults(ex)
+    top_k = settings.get("top_k", defaults["top_k"])
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise refuse("top_k", f"top_k is {top_k!r}; it should be a whole number >= 0 (0 keeps every token)")
+    return {
+        "temperature": float(_number(settings, "temperature", defaults["temperature"], 0, MAX_TEMPERATURE, True)),
+        "top_k": top_k,
+        "top_p": float(_number(settings, "top_p", defaults["top_p"], 0, 1, True)),
+        "presence_penalty": float(_number(settings, "presence_penalty", 0.0, -PENALTY_LIMIT, PENALTY_LIMIT)),
+        "frequency_penalty": float(_number(settings, "frequency_penalty", 0.0, -PENALTY_LIMIT, PENALTY_LIMIT)),
+    }
+
+
+def _user_processors(settings: dict) -> list:
+    """The penalties, which generate() takes as a user's `logits_processor` list."""
+    from ...modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+
+    processors = []
+    if settings["presence_penalty"]:
+        processors.append(PresencePenaltyLogitsProcessor(settings["presence_penalty"]))
+    if settings["frequency_penalty"]:
+        processors.append(FrequencyPenaltyLogitsProcessor(settings["frequency_penalty"]))
+    return processors
+
+
+def sampling_processors(ex: Explorer, settings: dict) -> list[tuple[str, object]]:
+    """(name, processor) in the order generate(do_sample=True) applies them (`_get_logits_processor`): the
+    folder's own processors (its repetition penalty), then the user's list (the penalties), then the warpers
+    temperature, top-k and top-p, each only where it changes something (as generate() skips them)."""
+    from transformers import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    named = []
+    repetition = ex.model.generation_config.repetition_penalty
+    if repetition is not None and repetition != 1.0:
+        named.append(
+            (f"RepetitionPenaltyLogitsProcessor({repetition:g})", RepetitionPenaltyLogitsProcessor(repetition))
+        )
+    for processor in _user_processors(settings):
+        value = getattr(processor, "presence_penalty", None) or getattr(processor, "frequency_penalty", None)
+        named.append((f"{type(processor).__name__}({value:g})", processor))
+    if settings["temperature"] != 1.0:
+        named.append(
+            (f"TemperatureLogitsWarper({settings['temperature']:g})", TemperatureLogitsWarper(settings["temperature"]))
+        )
+    if settings["top_k"] != 0:
+        named.append(
+            (f"TopKLogitsWarper({settings['top_k']})", TopKLogitsWarper(top_k=settings["top_k"], min_tokens_to_keep=1))
+        )
+    if settings["top_p"] < 1.0:
+        named.append(
+            (
+                f"TopPLogitsWarper({settings['top_p']:g})",
+                TopPLogitsWarper(top_p=settings["top_p"], min_tokens_to_keep=1),
+            )
+        )
+    return named
+
+
+def _check_top(top) -> int:
+    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_TOP:
+        raise refuse("top", f"top is {top!r}; it should be a whole number from 1 to {MAX_TOP}")
+    return top
+
+
+# ----- the forward pass -----
+
+
+def _forward(ex: Explorer, checked: Inputs):
+    """One forward pass with the attention weights; the logits of the last position are what generate() would
+    score first."""
+    device = ex.model.device
+    source = torch.tensor([checked.ids], device=device)
+    if not ex.seq2seq:
+        return ex.model(input_ids=source, output_attentions=True, use_cache=False)
+    return ex.model(
+        input_ids=source,
+        decoder_input_ids=torch.tensor([checked.decoder_ids], device=device),
+        output_attentions=True,
+        use_cache=False,
+    )
+
+
+def _distribution(ex: Explorer, history: list[int], logits: torch.Tensor, settings: dict, top: int) -> dict:
+    """NEXT: the candidates under the processors, applied as generate() applies them to its first step."""
+    logits = logits.float().reshape(1, -1)
+    input_ids = torch.tensor([history], device=logits.device)
+    scores = logits.clone()
+    named = sampling_processors(ex, settings)
+    for _, processor in named:
+        scores = processor(input_ids, scores)
+    probabilities = torch.softmax(scores, dim=-1)[0]
+    base = torch.softmax(logits, dim=-1)[0]
+    order = sorted(range(probabilities.numel()), key=lambda i: (-probabilities[i].item(), i))[:top]
+    candidates = []
+    for i in order:
+        score = scores[0, i].item()
+        candidates.append(
+            {
+                **{k: v for k, v in _token(ex, i).items() if k != "special"},
+                "logit": logits[0, i].item(),
+                "score": score if math.isfinite(score) else None,
+                "probability": probabilities[i].item(),
+                "base_probability": base[i].item(),
+            }
+        )
+    positive = probabilities[probabilities > 0]
+    return {
+        "candidates": candidates,
+        "kept": int(positive.numel()),
+        "vocab_size": int(probabilities.numel()),
+        "entropy": float(-(positive * positive.log()).sum().item()),
+        "processors": [name for name, _ in named],
+    }
+
+
+def _history(checked: Inputs) -> list[int]:
+    """The ids generate() hands its processors: the prompt, or a translation model's decoder input."""
+    return checked.decoder_ids if checked.decoder_ids is not None else checked.ids
+
+
+@torch.no_grad()
+def next_token(ex: Explorer, inputs: dict, settings: dict | None = None, top: int = 10) -> dict:
+    checked, settings, top = _inputs(ex, inputs), check_settings(ex, settings), _check_top(top)
+    with ex.lock:
+        out = _forward(ex, checked)
+    return _distribution(ex, _history(checked), out.logits[0, -1], settings, top)
+
+
+# ----- analyze: tokens, embeddings, attention -----
+
+
+def _token_embedding(ex: Explorer):
+    stack = ex.model.model.encoder if ex.seq2seq else ex.model.model
+    return stack.embed_tokens
+
+
+def _embeddings(ex: Explorer, ids: list[int]) -> dict:
+    """The first layer's input, in its two parts: the (scaled) token vectors and the positions' vectors, looked
+    up by the model's own embedding modules (the encoder's, for a translation model)."""
+    stack = ex.model.model.encoder if ex.seq2seq else ex.model.model
+    device = ex.model.device
+    token = stack.embed_tokens(torch.tensor([ids], device=device))[0].float()
+    position = stack.embed_positions(torch.arange(len(ids), device=device).unsqueeze(0))[0].float()
+    total = token + position
+    shown = min(ex.model.config.hidden_size, SHOWN_DIMS)
+
+    def rows(t: torch.Tensor) -> list:
+        return torch.round(t[:, :shown], decimals=DECIMALS).tolist()
+
+    return {
+        "hidden_size": ex.model.config.hidden_size,
+        "dims": shown,
+        "position_type": ex.model.config.position_embedding_type,
+        "embed_scale": float(stack.embed_tokens.embed_scale),
+        "token": rows(token),
+        "position": rows(position),
+        "sum": rows(total),
+        "norms": {
+            name: t.norm(dim=-1).tolist() for name, t in (("token", token), ("position", position), ("sum", total))
+        },
+    }
+
+
+def _maps(weights: tuple, query_side: str, key_side: str, causal: bool) -> dict:
+    stacked = torch.stack(weights)[:, 0].float()  # (L, H, Q, K)
+    layers, heads, queries, keys = stacked.shape
+    return {
+        "layers": layers,
+        "heads": heads,
+        "queries": queries,
+        "keys": keys,
+        "query_side": query_side,
+        "key_side": key_side,
+        "causal": causal,
+        "weights": torch.round(stacked, decimals=DECIMALS).tolist(),
+    }
+
+
+@torch.no_grad()
+def analyze(ex: Explorer, inputs: dict, settings: dict | None = None, top: int = 10) -> dict:
+    started = time.perf_counter()
+    checked, settings, top = _inputs(ex, inputs), check_settings(ex, settings), _check_top(top)
+    with ex.lock:
+        out = _forward(ex, checked)
+        embeddings = _embeddings(ex, checked.ids)
+    result = {"tokens": [_token(ex, i) for i in checked.ids]}
+    if ex.seq2seq:
+        result["target_tokens"] = [_token(ex, i) for i in checked.decoder_ids]
+        result["attention"] = {
+            "encoder": _maps(out.encoder_attentions, "source", "source", False),
+            "decoder": _maps(out.decoder_attentions, "target", "target", True),
+            "cross": _maps(out.cross_attentions, "target", "source", False),
+        }
+    else:
+        result["attention"] = {"decoder": _maps(out.attentions, "text", "text", True)}
+    result["embeddings"] = embeddings
+    result["next"] = _distribution(ex, _history(checked), out.logits[0, -1], settings, top)
+    result["seconds"] = time.perf_counter() - started
+    return result
