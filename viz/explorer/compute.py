@@ -488,3 +488,185 @@ def analyze(ex: Explorer, inputs: dict, settings: dict | None = None, top: int =
     result["next"] = _distribution(ex, _history(checked), out.logits[0, -1], settings, top)
     result["seconds"] = time.perf_counter() - started
     return result
+
+
+# ----- generation, step by step -----
+
+
+class _StepClock:
+    """A logits processor that changes nothing and notes when each step's scores arrive: generate() calls it
+    once per step, right after that step's forward pass."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _check_steps(ex: Explorer, checked: Inputs, mode, steps, seed) -> None:
+    if mode not in ("greedy", "sample"):
+        raise refuse("mode", f"mode is {mode!r}; it should be 'greedy' or 'sample'")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise refuse("seed", f"seed is {seed!r}; it should be a whole number from 0 to {2**32 - 1}")
+    used = len(_history(checked))
+    room = ex.context - used
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise refuse("steps", f"steps is {steps!r}; it should be a whole number from 1 to {MAX_STEPS}")
+    if steps > room:
+        raise refuse(
+            "steps",
+            f"steps is {steps}; {used} of the context's {ex.context} positions are used, so at most {room} more",
+        )
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every key and value tensor a cache holds (both caches of an encoder-decoder one)."""
+    if cache is None:
+        return []
+    if hasattr(cache, "self_attention_cache"):
+        return cache_tensors(cache.self_attention_cache) + cache_tensors(cache.cross_attention_cache)
+    tensors = []
+    for layer in cache.layers:
+        tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
+    return tensors
+
+
+def returned_cache(out):
+    """The cache generate() returns: `cache` from transformers 5.24, `past_key_values` before (reading the old
+    name on 5.24 warns)."""
+    return out["cache"] if "cache" in out else out.get("past_key_values")
+
+
+def _cache_facts(ex: Explorer, checked: Inputs) -> tuple[int, int, str]:
+    """(bytes per position of the self-attention cache, bytes of a translation model's cross-attention cache,
+    the formula): keys and values, for every layer and head of the decoder."""
+    layers, heads = _stack_facts(ex)
+    head_dim = ex.model.config.hidden_size // heads
+    width = _dtype_bytes(ex)
+    per_token = 2 * layers * heads * head_dim * width
+    formula = "2 x layers x kv_heads x head_dim x positions x bytes"
+    formula += f" = 2 x {layers} x {heads} x {head_dim} x positions x {width}"
+    if not ex.seq2seq:
+        return per_token, 0, formula
+    source = len(checked.ids)
+    cross = per_token * source  # cross-attention keys and values: one per source position, computed once
+    return per_token, cross, formula + f" (+ cross-attention: the same per source position, x {source})"
+
+
+def _run_generate(ex: Explorer, checked: Inputs, settings: dict, mode: str, seed: int, steps: int, clock):
+    """generate() itself: greedy, or sampling with the settings after torch.manual_seed(seed)."""
+    device = ex.model.device
+    source = torch.tensor([checked.ids], device=device)
+    options = {
+        "max_new_tokens": steps,
+        "num_beams": 1,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+        "logits_processor": [*_user_processors(settings), clock],
+        "attention_mask": torch.ones_like(source),
+    }
+    if mode == "sample":
+        options.update(
+            do_sample=True, temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"]
+        )
+    else:
+        options.update(do_sample=False)
+    if ex.seq2seq:
+        options["decoder_input_ids"] = torch.tensor([checked.decoder_ids], device=device)
+    torch.manual_seed(seed)
+    return ex.model.generate(input_ids=source, **options)
+
+
+@torch.no_grad()
+def generate_steps(
+    ex: Explorer, inputs: dict, settings: dict | None = None, mode: str = "greedy", steps: int = 3, seed: int = 0
+) -> dict:
+    """A few tokens through generate() (its cache, its processors), with each step's token, its probability
+    under generate's processed scores, the cache's size then, and the time of the prefill and of each decode."""
+    checked, settings = _inputs(ex, inputs), check_settings(ex, settings)
+    _check_steps(ex, checked, mode, steps, seed)
+    clock = _StepClock()
+    with ex.lock:
+        started = time.perf_counter()
+        out = _run_generate(ex, checked, settings, mode, seed, steps, clock)
+    history = _history(checked)
+    sequence = out.sequences[0].tolist()
+    new = sequence[len(history) :] if ex.seq2seq else sequence[len(checked.ids) :]
+    per_token, cross, formula = _cache_facts(ex, checked)
+    times = [started] + clock.times
+    rows = []
+    for k, token_id in enumerate(new):
+        probability = torch.softmax(out.scores[k][0].float(), dim=-1)[token_id].item()
+        positions = len(history) + k  # the cache after step k's forward: the input and the k tokens fed back
+        rows.append(
+            {
+                **{key: v for key, v in _token(ex, token_id).items() if key != "special"},
+                "probability": probability,
+                "phase": "prefill" if k == 0 else "decode",
+                "seconds": times[k + 1] - times[k],
+                "cache_positions": positions,
+                "cache_bytes": per_token * positions + cross,
+            }
+        )
+    final = cache_tensors(returned_cache(out))
+    ids = sequence[1:] if ex.seq2seq else sequence
+    decode = [r["seconds"] for r in rows[1:]]
+    eos = ex.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return {
+        "steps": rows,
+        "ids": ids,
+        "text": ex.tokenizer.decode(ids, skip_special_tokens=False),
+        "cache": {
+            "formula": formula,
+            "per_token_bytes": per_token,
+            "cross_bytes": cross,
+            "final_bytes": sum(t.numel() * t.element_size() for t in final),
+        },
+        "prefill_seconds": rows[0]["seconds"] if rows else 0.0,
+        "decode_seconds_mean": sum(decode) / len(decode) if decode else None,
+        "finished": bool(new) and new[-1] in eos,
+    }
+
+
+# ----- merges -----
+
+
+def _merge_ranks(ex: Explorer) -> dict[str, tuple[int, str, str]]:
+    """merged token -> (rank, left, right) of the lowest-rank merge that makes it."""
+    ranks: dict[str, tuple[int, str, str]] = {}
+    for rank, merge in enumerate(ex.backend()["model"].get("merges") or []):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        ranks.setdefault(left + right, (rank, left, right))
+    return ranks
+
+
+def _tree(ex: Explorer, raw: str, ranks: dict) -> dict:
+    made = ranks.get(raw)
+    node = {"raw": raw, "piece": _piece(ex, raw, False), "rank": None, "left": None, "right": None}
+    if made is not None:
+        rank, left, right = made
+        node.update(rank=rank, left=_tree(ex, left, ranks), right=_tree(ex, right, ranks))
+    return node
+
+
+def merges(ex: Explorer, token_id) -> dict:
+    """The BPE merges that built a token, from the folder's tokenizer.json: the lowest-rank merge whose two parts
+    concatenate to it, and recursively its parts, down to single symbols (bytes)."""
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < len(ex.tokenizer):
+        raise refuse("id", f"id is {token_id!r}; token ids run from 0 to {len(ex.tokenizer) - 1}")
+    token = _token(ex, token_id)
+    result = {"id": token_id, "piece": token["piece"], "raw": token["raw"]}
+    leaf = {"raw": token["raw"], "piece": token["piece"], "rank": None, "left": None, "right": None}
+    model_type = ex.backend()["model"].get("type")
+    if token["special"]:
+        return {**result, "kind": "special", "tree": leaf}
+    if model_type != "BPE":
+        message = f"this tokenizer is {model_type or 'not BPE'}, which has no merges"
+        return {**result, "kind": "unknown", "tree": leaf, "message": message}
+    ranks = _merge_ranks(ex)
+    if token["raw"] not in ranks:
+        return {**result, "kind": "byte", "tree": leaf}
+    return {**result, "kind": "merged", "tree": _tree(ex, token["raw"], ranks)}
