@@ -93,6 +93,11 @@ COMMANDS = (
         "pictures of the parts: positions, tokens, temperature, curves, kv-memory",
         "viz.commands:add_picture_arguments",
     ),
+    Command(
+        "explore",
+        "a local web page on a model folder: tokens, embeddings, attention, the next token, generation step by step",
+        "viz.commands:add_explore_arguments",
+    ),
     Command("tokenizer", "train, show and measure byte-level BPE tokenizers", "tokenization.commands:add_arguments"),
     Command("import", "import a GPT-2 checkpoint as a Deriv folder", "convert.commands:add_import_arguments"),
     Command("export", "export a GPT-2-shaped Deriv folder as GPT-2", "convert.commands:add_export_arguments"),

@@ -217,13 +217,20 @@ def load(ns: argparse.Namespace, device: str):
 
 
 def serve(served, sock, log_level: str = "warning") -> None:
-    """uvicorn on `sock` until SIGINT or SIGTERM (both a graceful stop: requests in flight get 5 s to finish)."""
-    import uvicorn
-
+    """The OpenAI app on `sock` until SIGINT or SIGTERM."""
     from .serving.app import build_app
 
+    run_server(build_app(served), sock, log_level)
+
+
+def run_server(app, sock, log_level: str = "warning") -> None:
+    """uvicorn serving the ASGI `app` on `sock` until SIGINT or SIGTERM (both a graceful stop: requests in flight
+    get 5 s to finish); Ctrl-C then raises KeyboardInterrupt, SIGTERM returns. `deriv serve` and `deriv explore`
+    both end this way."""
+    import uvicorn
+
     config = uvicorn.Config(
-        build_app(served), log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level in ("info", "debug")
+        app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level in ("info", "debug")
     )
     # subtle: after its graceful stop uvicorn raises the signal it caught again, for the handler it found; these
     # handlers take it, so SIGTERM (docker stop, systemd) ends in exit status 0 and Ctrl-C as every command's does
@@ -270,11 +277,19 @@ def cpu_batching_options(context: int, device: str) -> dict:
 
 
 class ServerProcess:
-    """`deriv serve FOLDER` in a child process on a free loopback port, for tests and benchmarks: started (and
-    waited for, until `/health` answers) on construction, spoken to with `post` and `stream` (the OpenAI protocol
-    over the standard library's HTTP client, as `curl` would), stopped with `stop` (SIGTERM, as Ctrl-C)."""
+    """`deriv serve FOLDER` (or, with `command="explore"`, `deriv explore FOLDER`) in a child process on a free
+    loopback port, for tests and benchmarks: started (and waited for, until `/health` answers) on construction,
+    spoken to with `send`, `post` and `stream` (over the standard library's HTTP client, as `curl` would), stopped
+    with `stop` (SIGTERM, as Ctrl-C)."""
 
-    def __init__(self, folder: str | os.PathLike, *flags: str, log: str | os.PathLike, timeout: float = 120):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *flags: str,
+        log: str | os.PathLike,
+        timeout: float = 120,
+        command: str = "serve",
+    ):
         import socket
         import subprocess
         import sys
@@ -283,11 +298,11 @@ class ServerProcess:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.folder, self.log = os.fspath(folder), log
-        command = [sys.executable, "-m", "deriv_lm.cli", "serve", self.folder, "--port", str(self.port), *flags]
+        self.folder, self.log, self.command = os.fspath(folder), log, command
+        argv = [sys.executable, "-m", "deriv_lm.cli", command, self.folder, "--port", str(self.port), *flags]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         self._wait_until_healthy(timeout)
 
     def log_tail(self, characters: int = 3000) -> str:
@@ -300,7 +315,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"deriv serve exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"deriv {self.command} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
                     if reply.status == 200:
@@ -308,7 +323,7 @@ class ServerProcess:
             except OSError:
                 time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"deriv serve did not answer /health in {timeout} s:\n{self.log_tail()}")
+        raise RuntimeError(f"deriv {self.command} did not answer /health in {timeout} s:\n{self.log_tail()}")
 
     def _open(self, path: str, body: dict):
         import json

@@ -1,4 +1,4 @@
-"""`deriv attention` and `deriv picture ...`: the command-line side of the pictures."""
+"""`deriv attention`, `deriv picture ...` and `deriv explore`: the command-line side of the pictures and the page."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ MAX_DIM = 4096
 # `picture kv-memory` allocates the caches it measures; the largest, the static one at --context and the largest
 # of --batches, may take at most this much. 2 GiB holds the default shape's at batch 455, GPT-2's at 28.
 MAX_KV_BYTES = 2 * 2**30
+# The explorer's request bodies: a prompt at GPT-2's whole context (1024 tokens) is some 5 KB of text or 7 KB of ids.
+EXPLORE_BODY_BYTES = 256 * 1024
 
 
 def add_attention_arguments(att: argparse.ArgumentParser) -> None:
@@ -77,6 +79,72 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
     kv.add_argument("--batches", type=integer(minimum=1), nargs="+", default=[1, 8])
     kv.add_argument("--out", default="kv-memory.png")
     kv.set_defaults(func=_plotting(lambda ns: _done(_kv_memory(ns))))
+
+
+def add_explore_arguments(parser: argparse.ArgumentParser) -> None:
+    """`deriv explore FOLDER [--host --port --device --log-level]`."""
+    from ..serve import MAX_BODY_BYTES
+
+    parser.description = (
+        "Open a local web page on a Deriv folder (decoder, translation, chat-tuned, imported or int8): its tokens "
+        "and merges, embeddings and positions, every attention map, the next-token distribution under the "
+        "sampling controls, and generation step by step with the KV cache's size; see docs/explore.md. Needs the "
+        "serve extra: pip install 'deriv-lm[serve]'."
+    )
+    parser.add_argument("folder", type=local_model_folder, help="a Deriv model folder on this machine")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)"
+    )
+    parser.add_argument("--port", type=integer(minimum=1, maximum=65535), default=8008)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, ... (default: auto)")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=integer(minimum=1024, maximum=MAX_BODY_BYTES),
+        default=EXPLORE_BODY_BYTES,
+        help=f"the largest request body; a larger one gets 413 before it is read (default: {EXPLORE_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the server's log level (info shows each request)",
+    )
+    parser.set_defaults(func=run_explore)
+
+
+def local_model_folder(text: str) -> str:
+    """An argparse type: a folder on this machine holding config.json (the explorer opens no Hub name)."""
+    if os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file; deriv explore opens a model folder")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such model folder (deriv explore opens one on this machine)")
+    return model_folder(text)
+
+
+def run_explore(ns: argparse.Namespace) -> int:
+    """Check everything that can be checked before listening (the extra, the folder's type, the device, the
+    address), then load the folder and serve the page until Ctrl-C or SIGTERM."""
+    from ..serve import SERVE_MODULES, listen, resolve_device, run_server, url
+
+    require_extra("serve", "deriv explore", SERVE_MODULES)
+    from ..folder.load import check_model_type, read_folder
+
+    check_model_type(ns.folder, read_folder(ns.folder).config.get("model_type"), consent=None)
+    device = resolve_device(ns.device)
+    sock = listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
+    try:
+        from .explorer.app import build_app
+        from .explorer.compute import Explorer
+
+        explorer = Explorer.open(ns.folder, device=device)
+        app = build_app(explorer, ns.host, ns.port, ns.max_body_bytes)
+    except BaseException:
+        sock.close()
+        raise
+    name = os.path.basename(os.path.normpath(ns.folder))
+    print(f"deriv explore: {name} ({ns.folder}) on {url(ns.host, ns.port)} (Ctrl-C stops it)", flush=True)
+    run_server(app, sock, ns.log_level)
+    return 0
 
 
 def add_trust_argument(parser: argparse.ArgumentParser) -> None:
