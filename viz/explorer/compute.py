@@ -189,9 +189,9 @@ def _one_side(ex: Explorer, inputs: dict, text_key: str, ids_key: str, vocab: in
     field_name = text_key if text is not None else ids_key
     tokens = _encode(ex, text, text_key) if text is not None else _check_ids(ids, ids_key, vocab)
     if len(tokens) > limit:
-        raise refuse(
-            field_name, f"the {text_key} is {len(tokens)} tokens; this model reads at most {limit} (its context)"
-        )
+        given = f"the {text_key} is" if field_name == text_key else f"{ids_key} holds"
+        room = "its context" if text_key == "text" else "its context, less the decoder's start token"
+        raise refuse(field_name, f"{given} {len(tokens)} tokens; this model reads at most {limit} ({room})")
     return tokens
 
 

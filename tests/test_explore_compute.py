@@ -1,0 +1,461 @@
+"""The explorer's numbers (`viz/explorer/compute.py`) are the model's own: the next token's distribution equals
+generate()'s first-step scores, the steps equal generate()'s tokens, the cache formula equals the real cache's
+bytes, the attention equals `attention_maps`, the embeddings' sum is what the first layer receives, the merge
+trees rebuild their tokens, and every bad input is refused naming its field.
+
+On the two small trained folders in tests/data (a language model and a translation model), loaded once per module.
+"""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from deriv_lm import DerivConfig, DerivForCausalLM
+from deriv_lm.errors import UsageError
+from deriv_lm.viz.attention import attention_maps
+from deriv_lm.viz.explorer.compute import (
+    Explorer,
+    analyze,
+    generate_steps,
+    info,
+    merges,
+    next_token,
+)
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+LM_TEXT = "seven thousand"  # greedy goes on for more than three tokens
+SOURCE = "three hundred"
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return Explorer.open(os.path.join(DATA, "numbers_lm"))
+
+
+@pytest.fixture(scope="module")
+def mt():
+    return Explorer.open(os.path.join(DATA, "numbers_en"))
+
+
+def ids_of(ex, text):
+    return ex.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def generate_inputs(ex, text, target_ids):
+    """generate()'s inputs for `text` (and a translation model's decoder input: start token + target)."""
+    source = torch.tensor([ids_of(ex, text)])
+    kwargs = {"input_ids": source, "attention_mask": torch.ones_like(source), "num_beams": 1}
+    if ex.seq2seq:
+        start = ex.model.config.decoder_start_token_id
+        kwargs["decoder_input_ids"] = torch.tensor([[start] + target_ids])
+    return kwargs
+
+
+def penalties(settings):
+    from deriv_lm.modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+
+    found = []
+    if settings.get("presence_penalty"):
+        found.append(PresencePenaltyLogitsProcessor(settings["presence_penalty"]))
+    if settings.get("frequency_penalty"):
+        found.append(FrequencyPenaltyLogitsProcessor(settings["frequency_penalty"]))
+    return found
+
+
+SETTINGS = [
+    {"temperature": 0.7, "top_k": 0, "top_p": 1.0},
+    {"temperature": 1.0, "top_k": 5, "top_p": 1.0},  # top-k cuts all but 5
+    {"temperature": 1.3, "top_k": 0, "top_p": 0.5},  # top-p cuts the tail
+    {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "presence_penalty": 0.8, "frequency_penalty": 0.6},
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "presence_penalty": -1.5, "frequency_penalty": 2.0},
+    {},  # the folder's defaults
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("which", ["lm", "mt"])
+def test_next_token_equals_generates_first_step_scores(which, settings, request):
+    ex = request.getfixturevalue(which)
+    # repeated tokens, so the penalties have counts above one to act on
+    text, target = (LM_TEXT + " one one", []) if which == "lm" else (SOURCE, ids_of(ex, "three three"))
+    inputs = {"text": text, "target_ids": target} if ex.seq2seq else {"text": text}
+    got = next_token(ex, inputs, settings, top=100)
+    defaults = info(ex)["defaults"]
+    torch.manual_seed(0)
+    out = ex.model.generate(
+        **generate_inputs(ex, text, target),
+        do_sample=True,
+        temperature=settings.get("temperature", defaults["temperature"]),
+        top_k=settings.get("top_k", defaults["top_k"]),
+        top_p=settings.get("top_p", defaults["top_p"]),
+        logits_processor=penalties(settings),
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+        max_new_tokens=1,
+    )
+    scores, logits = out.scores[0][0], out.logits[0][0]
+    expected = torch.softmax(scores, dim=-1)
+    assert got["kept"] == int((expected > 0).sum())
+    assert got["vocab_size"] == expected.numel()
+    for c in got["candidates"]:
+        assert c["probability"] == pytest.approx(expected[c["id"]].item(), abs=1e-6)
+        assert c["logit"] == pytest.approx(logits[c["id"]].item(), abs=1e-4)
+        if math.isinf(scores[c["id"]].item()):
+            assert c["score"] is None and c["probability"] == 0.0
+        else:
+            assert c["score"] == pytest.approx(scores[c["id"]].item(), abs=1e-4)
+    assert [c["probability"] for c in got["candidates"]] == sorted(
+        (c["probability"] for c in got["candidates"]), reverse=True
+    )
+    positive = expected[expected > 0]
+    assert got["entropy"] == pytest.approx(-(positive * positive.log()).sum().item(), abs=1e-5)
+
+
+def test_the_cuts_and_penalties_show_in_the_distribution(lm):
+    inputs = {"text": LM_TEXT + " one one"}
+    assert next_token(lm, inputs, {"top_k": 5, "top_p": 1.0})["kept"] == 5
+    assert next_token(lm, inputs, {"top_k": 0, "top_p": 1.0})["kept"] == lm.vocab_size
+    assert next_token(lm, inputs, {"top_k": 0, "top_p": 0.5})["kept"] < lm.vocab_size
+    names = next_token(lm, inputs, {"temperature": 0.5, "presence_penalty": 1.0, "top_k": 3})["processors"]
+    # generate()'s order: the folder's repetition penalty, the user's processors, then temperature, top-k, top-p
+    assert [n.split("(")[0] for n in names] == [
+        "RepetitionPenaltyLogitsProcessor",
+        "PresencePenaltyLogitsProcessor",
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+    ]
+
+
+@pytest.mark.parametrize("which", ["lm", "mt"])
+def test_greedy_steps_are_generates_tokens(which, request):
+    ex = request.getfixturevalue(which)
+    text, target = (LM_TEXT, None) if which == "lm" else (SOURCE, [])
+    inputs = {"text": text} if target is None else {"text": text, "target_ids": target}
+    got = generate_steps(ex, inputs, {"presence_penalty": 0.3}, mode="greedy", steps=3)
+    out = ex.model.generate(
+        **generate_inputs(ex, text, target or []),
+        do_sample=False,
+        max_new_tokens=3,
+        logits_processor=penalties({"presence_penalty": 0.3}),
+    )
+    expected = out[0].tolist()
+    assert got["ids"] == (expected[1:] if ex.seq2seq else expected)
+    assert [s["id"] for s in got["steps"]] == expected[-len(got["steps"]) :]
+    assert [s["phase"] for s in got["steps"]][:1] == ["prefill"]
+    assert all(s["phase"] == "decode" for s in got["steps"][1:])
+    assert got["text"] == ex.tokenizer.decode(got["ids"])
+
+
+@pytest.mark.parametrize("which", ["lm", "mt"])
+def test_sampled_steps_are_generates_tokens_after_the_seed(which, request):
+    ex = request.getfixturevalue(which)
+    settings = {"temperature": 3.0, "top_k": 0, "top_p": 1.0, "frequency_penalty": 0.4}
+    text, target = (LM_TEXT, []) if which == "lm" else (SOURCE, [])
+    inputs = {"text": text, "target_ids": target} if ex.seq2seq else {"text": text}
+    got = generate_steps(ex, inputs, settings, mode="sample", steps=4, seed=7)
+    torch.manual_seed(7)
+    out = ex.model.generate(
+        **generate_inputs(ex, text, target),
+        do_sample=True,
+        temperature=3.0,
+        top_k=0,
+        top_p=1.0,
+        logits_processor=penalties(settings),
+        max_new_tokens=4,
+    )
+    expected = out[0].tolist()
+    assert got["ids"] == (expected[1:] if ex.seq2seq else expected)
+    # the seed matters: other seeds draw differently somewhere (the distribution at temperature 3 is wide)
+    others = [generate_steps(ex, inputs, settings, mode="sample", steps=4, seed=s)["ids"] for s in range(5)]
+    assert any(o != got["ids"] for o in others)
+
+
+def real_cache_bytes(cache) -> tuple[int, int]:
+    """(self-attention bytes, cross-attention bytes) of the cache generate() returned."""
+
+    def size(c):
+        return sum(t.numel() * t.element_size() for layer in c.layers for t in (layer.keys, layer.values))
+
+    if hasattr(cache, "self_attention_cache"):
+        return size(cache.self_attention_cache), size(cache.cross_attention_cache)
+    return size(cache), 0
+
+
+@pytest.mark.parametrize("which", ["lm", "mt"])
+def test_the_cache_formula_is_the_real_caches_bytes(which, request):
+    ex = request.getfixturevalue(which)
+    text = LM_TEXT if which == "lm" else SOURCE
+    inputs = {"text": text, "target_ids": []} if ex.seq2seq else {"text": text}
+    got = generate_steps(ex, inputs, {}, mode="greedy", steps=3)
+    out = ex.model.generate(
+        **generate_inputs(ex, text, []), do_sample=False, max_new_tokens=3, return_dict_in_generate=True
+    )
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    own, cross = real_cache_bytes(cache)
+    last = got["steps"][-1]
+    assert last["cache_bytes"] == own + cross == got["cache"]["final_bytes"]
+    assert got["cache"]["cross_bytes"] == cross
+    assert (cross > 0) == ex.seq2seq
+    # one more position, one more row of keys and values per layer
+    assert got["steps"][1]["cache_bytes"] - got["steps"][0]["cache_bytes"] == got["cache"]["per_token_bytes"]
+
+
+def test_analyzes_attention_is_attention_maps(lm):
+    got = analyze(lm, {"text": LM_TEXT})
+    maps = attention_maps(lm.model, lm.tokenizer, LM_TEXT)["decoder"]
+    weights = torch.tensor(got["attention"]["decoder"]["weights"])
+    assert weights.shape == maps.weights.shape
+    assert torch.allclose(weights, maps.weights, atol=6e-6)
+    assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-4)
+    above = torch.triu(torch.ones(weights.shape[-2:], dtype=torch.bool), diagonal=1)
+    assert (weights[..., above] == 0.0).all() and got["attention"]["decoder"]["causal"]
+    assert [t["id"] for t in got["tokens"]] == ids_of(lm, LM_TEXT)
+
+
+def test_a_translation_has_both_stacks_and_the_cross_attention(mt):
+    got = analyze(mt, {"text": SOURCE})  # no target: the model's own greedy translation, as attention_maps makes it
+    maps = attention_maps(mt.model, mt.tokenizer, SOURCE)
+    source, target = len(got["tokens"]), len(got["target_tokens"])
+    for side in ("encoder", "decoder", "cross"):
+        weights = torch.tensor(got["attention"][side]["weights"])
+        assert torch.allclose(weights, maps[side].weights, atol=6e-6)
+        assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-4)
+    assert (got["attention"]["cross"]["queries"], got["attention"]["cross"]["keys"]) == (target, source)
+    assert [got["attention"][s]["causal"] for s in ("encoder", "decoder", "cross")] == [False, True, False]
+    assert got["target_tokens"][0]["id"] == mt.model.config.decoder_start_token_id
+
+
+def first_layer_input(ex, inputs) -> torch.Tensor:
+    """What the first layer of the stack the text goes into receives, caught by a hook."""
+    stack = ex.model.model.encoder if ex.seq2seq else ex.model.model
+    caught = []
+    handle = stack.layers[0].register_forward_pre_hook(lambda module, args: caught.append(args[0][0].clone()))
+    try:
+        analyze(ex, inputs)
+    finally:
+        handle.remove()
+    return caught[0]
+
+
+@pytest.mark.parametrize("which", ["lm", "mt"])
+def test_embeddings_sum_is_what_the_first_layer_receives(which, request):
+    ex = request.getfixturevalue(which)
+    inputs = {"text": LM_TEXT if which == "lm" else SOURCE}
+    got = analyze(ex, inputs)["embeddings"]
+    token, position, total = (torch.tensor(got[k]) for k in ("token", "position", "sum"))
+    assert torch.allclose(token + position, total, atol=2e-5)
+    received = first_layer_input(ex, inputs)
+    assert torch.allclose(received[:, : got["dims"]], total, atol=6e-6)
+    assert got["norms"]["sum"] == pytest.approx(received.norm(dim=-1).tolist(), abs=1e-4)
+    assert got["embed_scale"] == pytest.approx(math.sqrt(got["hidden_size"]))
+    assert got["position_type"] == "sinusoidal"
+    # the paper's PE(pos, 0) = sin(pos), PE(pos, 1) = cos(pos)
+    assert [row[0] for row in got["position"]] == pytest.approx([math.sin(p) for p in range(len(total))], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gpt2_shaped(tmp_path_factory):
+    """A tiny folder with GPT-2's shape: learned positions, pre-norm, unscaled embeddings."""
+    folder = tmp_path_factory.mktemp("learned") / "gpt2-shaped"
+    torch.manual_seed(0)
+    config = DerivConfig(
+        vocab_size=300,
+        hidden_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        position_embedding_type="learned",
+        pre_norm=True,
+        scale_embedding=False,
+        hidden_act="gelu",
+    )
+    DerivForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DATA, "numbers_lm", name), folder / name)
+    return Explorer.open(folder)
+
+
+def test_learned_positions_are_the_trained_table(gpt2_shaped):
+    facts = info(gpt2_shaped)
+    assert (facts["position_type"], facts["pre_norm"], facts["embed_scale"]) == ("learned", True, 1.0)
+    inputs = {"text": LM_TEXT}
+    got = analyze(gpt2_shaped, inputs)["embeddings"]
+    n = len(got["sum"])
+    table = gpt2_shaped.model.model.embed_positions.weight[:n, :64]
+    assert got["dims"] == 64 and got["hidden_size"] == 96
+    assert torch.allclose(torch.tensor(got["position"]), table, atol=6e-6)
+    rows = gpt2_shaped.model.model.embed_tokens.weight[ids_of(gpt2_shaped, LM_TEXT), :64]
+    assert torch.allclose(torch.tensor(got["token"]), rows, atol=6e-6)  # unscaled: E[id] itself
+    received = first_layer_input(gpt2_shaped, inputs)
+    assert torch.allclose(torch.tensor(got["sum"]), received[:, :64], atol=6e-6)
+    assert got["norms"]["sum"] == pytest.approx(received.norm(dim=-1).tolist(), abs=1e-4)
+
+
+def merge_list(ex) -> list[tuple[str, str]]:
+    merged = json.loads(ex.tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merged]
+
+
+def leaves(tree) -> list[str]:
+    return [tree["raw"]] if tree["left"] is None else leaves(tree["left"]) + leaves(tree["right"])
+
+
+def reapply(tree, merge_table) -> list[str]:
+    """The tree's merges applied, in rank order, to its leaves, as BPE would: every adjacent pair that matches."""
+    found = []
+
+    def collect(node):
+        if node["left"] is not None:
+            assert merge_table[node["rank"]] == (node["left"]["raw"], node["right"]["raw"])
+            found.append(node["rank"])
+            collect(node["left"])
+            collect(node["right"])
+
+    collect(tree)
+    symbols = leaves(tree)
+    for rank in sorted(set(found)):
+        left, right = merge_table[rank]
+        i, out = 0, []
+        while i < len(symbols):
+            if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == (left, right):
+                out.append(left + right)
+                i += 2
+            else:
+                out.append(symbols[i])
+                i += 1
+        symbols = out
+    return symbols
+
+
+def test_every_merged_token_of_the_vocabulary_rebuilds(lm):
+    table = merge_list(lm)
+    special = set(lm.tokenizer.all_special_ids)
+    kinds = set()
+    for token_id in range(len(lm.tokenizer)):
+        got = merges(lm, token_id)
+        kinds.add(got["kind"])
+        assert got["raw"] == lm.tokenizer.convert_ids_to_tokens(token_id)
+        if token_id in special:
+            assert got["kind"] == "special"
+        elif got["kind"] == "byte":
+            assert len(got["raw"]) == 1 and got["tree"]["left"] is None
+        else:
+            assert got["kind"] == "merged"
+            assert reapply(got["tree"], table) == [got["raw"]]
+    assert kinds == {"special", "byte", "merged"}
+
+
+def test_a_byte_token_is_a_leaf_and_a_special_token_is_special(lm):
+    byte = merges(lm, ids_of(lm, "o")[0])
+    assert byte["kind"] == "byte" and byte["tree"]["rank"] is None and byte["tree"]["left"] is None
+    eos = merges(lm, lm.tokenizer.eos_token_id)
+    assert eos["kind"] == "special" and eos["raw"] == lm.tokenizer.eos_token
+    word = merges(lm, ids_of(lm, " hundred")[0])
+    assert word["kind"] == "merged" and word["piece"] == " hundred" and "".join(leaves(word["tree"])) == "Ġhundred"
+
+
+def test_a_tokenizer_without_merges_is_unknown_not_an_error(lm):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "one": 1, "two": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    ex = Explorer(lm.path, lm.model, tokenizer, lm.kind, lm.context, lm.vocab_size)
+    got = merges(ex, 1)
+    assert got["kind"] == "unknown" and "no merges" in got["message"] and got["raw"] == "one"
+
+
+def test_analyze_is_json_ready(lm, mt):
+    for ex, inputs in ((lm, {"text": LM_TEXT}), (mt, {"text": SOURCE, "target": "three hundred"})):
+        result = analyze(ex, inputs, {"top_k": 3, "top_p": 1.0})
+        json.dumps(result, allow_nan=False)  # -inf scores are null, never Infinity
+        assert result["next"]["kept"] == 3
+        assert all(c["score"] is None for c in result["next"]["candidates"][3:])
+
+
+def test_pieces_are_the_tokens_text(lm):
+    tokens = analyze(lm, {"text": "one  two"})["tokens"]
+    assert "".join(t["piece"] for t in tokens) == "one  two"
+    assert any(t["raw"].startswith("Ġ") and t["piece"].startswith(" ") for t in tokens)
+
+
+def refused(call, field):
+    with pytest.raises(UsageError) as caught:
+        call()
+    assert caught.value.field == field
+    assert field in str(caught.value)
+    return str(caught.value)
+
+
+def test_bad_inputs_are_refused_naming_the_field(lm, mt):
+    ok = {"text": LM_TEXT}
+    refused(lambda: analyze(lm, {"ids": [1, 300]}), "ids")
+    refused(lambda: analyze(lm, {"ids": [-1]}), "ids")
+    refused(lambda: analyze(lm, {"ids": [1.5]}), "ids")
+    assert "empty" in refused(lambda: analyze(lm, {"text": ""}), "text")
+    assert "empty" in refused(lambda: next_token(lm, {"ids": []}), "ids")
+    message = refused(lambda: analyze(lm, {"ids": [5] * 65}), "ids")
+    assert "65 tokens" in message and "64 (its context)" in message
+    refused(lambda: analyze(lm, {"text": "one " * 80}), "text")
+    refused(lambda: analyze(lm, {"text": "one", "ids": [5]}), "ids")
+    refused(lambda: analyze(lm, {"text": "one", "folder": "/etc"}), "folder")
+    refused(lambda: analyze(lm, {"text": "one", "target": "one"}), "target")  # a language model has no target
+    refused(lambda: analyze(mt, {"text": "one", "target_ids": [300]}), "target_ids")
+    refused(lambda: analyze(mt, {"text": "one", "target_ids": [5] * 16}), "target_ids")  # start token + 16 > 16
+    for steps in (0, 65, 63, True):
+        refused(lambda steps=steps: generate_steps(lm, ok, steps=steps), "steps")  # 63: past the context's room
+    refused(lambda: generate_steps(lm, ok, mode="beam"), "mode")
+    refused(lambda: generate_steps(lm, ok, seed=-1), "seed")
+    for value in (0, -1, float("nan"), float("inf"), 101, "hot"):
+        refused(lambda value=value: next_token(lm, ok, {"temperature": value}), "temperature")
+    for value in (0, 1.5, -0.1):
+        refused(lambda value=value: next_token(lm, ok, {"top_p": value}), "top_p")
+    for value in (-1, 2.5, True):
+        refused(lambda value=value: next_token(lm, ok, {"top_k": value}), "top_k")
+    for name in ("presence_penalty", "frequency_penalty"):
+        for value in (2.01, -2.5):
+            refused(lambda name=name, value=value: next_token(lm, ok, {name: value}), name)
+    refused(lambda: next_token(lm, ok, {"min_p": 0.1}), "min_p")
+    refused(lambda: next_token(lm, ok, top=0), "top")
+    refused(lambda: next_token(lm, ok, top=101), "top")
+    refused(lambda: merges(lm, 300), "id")
+    refused(lambda: merges(lm, -1), "id")
+    # the limits themselves are accepted
+    next_token(lm, ok, {"temperature": 100, "top_p": 1, "top_k": 0, "presence_penalty": -2, "frequency_penalty": 2})
+    generate_steps(lm, {"ids": [5] * 63}, steps=1)
+
+
+def test_info_says_what_the_folder_is(lm, mt):
+    facts = info(lm)
+    assert facts["kind"] == "decoder" and facts["context"] == 64 and facts["vocab_size"] == 300
+    assert (facts["layers"], facts["heads"], facts["head_dim"]) == (2, 4, 16)
+    assert facts["defaults"] == {"temperature": 0.8, "top_k": 50, "top_p": 0.95}  # its generation_config.json
+    assert facts["tokenizer"] == "BPE" and not facts["quantized"]
+    json.dumps(facts, allow_nan=False)
+    facts = info(mt)
+    assert facts["kind"] == "seq2seq" and (facts["encoder_layers"], facts["decoder_layers"]) == (2, 2)
+    assert facts["defaults"] == {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # unset: generate()'s own
+
+
+def test_an_int8_folder_analyzes(tmp_path):
+    pytest.importorskip("torchao", reason="deriv quantize needs torchao (the quantize extra)")
+    from deriv_lm.cli import main
+
+    out = tmp_path / "lm-int8"
+    assert main(["quantize", os.path.join(DATA, "numbers_lm"), "--out", str(out)]) == 0
+    ex = Explorer.open(out)
+    assert info(ex)["quantized"]
+    got = analyze(ex, {"text": LM_TEXT})
+    assert got["attention"]["decoder"]["layers"] == 2
+    assert sum(c["probability"] for c in got["next"]["candidates"]) <= 1.0 + 1e-6
+    steps = generate_steps(ex, {"text": LM_TEXT}, steps=2)
+    assert steps["steps"][-1]["cache_bytes"] == steps["cache"]["final_bytes"]
