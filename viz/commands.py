@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..arguments import command_name, existing_folder, integer, model_folder, number
-from ..errors import UsageError, require_extra
+from ..errors import MissingFile, UsageError, require_extra
 
 
 # `picture positions` draws a positions x dim table and a positions x positions map of dot products, each on some
@@ -113,11 +113,10 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def local_model_folder(text: str) -> str:
-    """An argparse type: a folder on this machine holding config.json (the explorer opens no Hub name)."""
+    """An argparse type: `model_folder`, and not a file. (A name that may be the Hub's is refused as the command
+    starts: the explorer opens folders on this machine only.)"""
     if os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text} is a file; deriv explore opens a model folder")
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such model folder (deriv explore opens one on this machine)")
     return model_folder(text)
 
 
@@ -126,6 +125,8 @@ def run_explore(ns: argparse.Namespace) -> int:
     address), then load the folder and serve the page until Ctrl-C or SIGTERM."""
     from ..serve import SERVE_MODULES, listen, resolve_device, run_server, url
 
+    if not os.path.isdir(ns.folder):
+        raise MissingFile(f"{ns.folder}: no such model folder (deriv explore opens one on this machine)")
     require_extra("serve", "deriv explore", SERVE_MODULES)
     from ..folder.load import check_model_type, read_folder
 

@@ -32,8 +32,9 @@ from starlette.exceptions import HTTPException
 
 from ...errors import UsageError
 from ...serving.app import read_json
-from ...serving.protocol import SEED_RANGE, RequestError
+from ...serving.protocol import RequestError
 from . import compute
+from .compute import MAX_STEPS, MAX_TEMPERATURE, MAX_TOP, PENALTY_LIMIT
 
 
 logger = logging.getLogger("deriv_lm.explore")
@@ -44,8 +45,6 @@ STATIC_FILES = {
     "explore.js": "text/javascript; charset=utf-8",
     "explore.css": "text/css; charset=utf-8",
 }
-MAX_STEPS = 64
-MAX_TOP = 100
 CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'; "
     "frame-ancestors 'none'"
@@ -64,11 +63,11 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    temperature: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)] | None = None
+    temperature: Annotated[float, Field(gt=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)] | None = None
 
 
 class Inputs(BaseModel):
@@ -104,7 +103,7 @@ class AnalyzeBody(Inputs):
 class GenerateBody(Inputs):
     mode: Literal["greedy", "sample"] = "greedy"
     steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 3
-    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] = 0
+    seed: int = 0  # its range is compute's (what torch.manual_seed takes, for every device)
 
 
 class MergesBody(BaseModel):
