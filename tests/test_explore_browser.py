@@ -1,0 +1,320 @@
+"""`deriv explore` in a real browser: a person's keys and mouse on the page, the numbers the Python API gives.
+
+Each folder of tests/data (the numbers language model and the numbers translation model) is served by its own
+`deriv explore` child process (`deriv_lm.serve.ServerProcess`), and one headless Debian Chromium (tests/chromium.py)
+opens the page afresh in each test. The page keeps every number as the server's float in data attributes
+(`data-probability`, `data-row`, ...), so what it shows is compared exactly, not as parsed text. The references are
+computed here, in this process, from the same folder: the tokenizer, `viz.attention.attention_maps`,
+`compute.next_token`, and `generate()` itself.
+
+Without Chromium, ChromeDriver or selenium the module skips with the reason, except under DERIV_REQUIRE_BROWSER=1
+(CI's .ci/run exports it), where that is a failure. Without the serve extra (fastapi, uvicorn) it skips, as
+tests/test_serve.py does. Screenshots go to a temporary folder, and to docs/images when DERIV_SCREENSHOTS=docs/images.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
+
+from browser import quit_chromium, require_browser, save_screenshots, screenshot_dirs, start_chromium  # noqa: E402
+
+
+require_browser()
+
+from selenium.webdriver import ActionChains  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer  # noqa: E402
+
+from deriv_lm.serve import ServerProcess  # noqa: E402
+from deriv_lm.viz.attention import attention_maps, load_eager  # noqa: E402
+from deriv_lm.viz.explorer import compute  # noqa: E402
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+LM = os.path.join(DATA, "numbers_lm")
+EN = os.path.join(DATA, "numbers_en")
+PROMPT = "5 3 1 8 : five thousand"  # the numbers model's prompt format: digits, " :", the number in words
+QUESTION = "5 3 1 8 :"
+UNSURE = "5 3"  # the model is unsure here (" :" or " " and a digit), so a temperature moves the probabilities
+SOURCE = "5 3 1 8"
+SECTIONS = ("tokens", "embeddings", "attention", "next-token", "generation")
+WAIT = 60
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("explore-logs")
+    started = {}
+    try:
+        for name, folder in (("lm", LM), ("en", EN)):
+            started[name] = ServerProcess(folder, command="explore", log=logs / f"{name}.log")
+        yield started
+    finally:
+        for server in started.values():
+            assert server.stop() == 0, server.log_tail()
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    driver = start_chromium()
+    yield driver
+    quit_chromium(driver)
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    return screenshot_dirs(tmp_path_factory.mktemp("screenshots"))
+
+
+@pytest.fixture(scope="module")
+def lm_tokenizer():
+    return AutoTokenizer.from_pretrained(LM)
+
+
+# ---- driving the page ----------------------------------------------------------------------------------------
+
+
+def settle(driver):
+    """Until the page has no request in flight and none waiting out its typing pause."""
+    WebDriverWait(driver, WAIT).until(lambda d: d.execute_script("return document.body.dataset.busy") == "0")
+
+
+def open_page(driver, server):
+    driver.get(server.url + "/")
+    WebDriverWait(driver, WAIT).until(lambda d: d.find_element(By.ID, "folder-name").text)
+    settle(driver)
+    driver.get_log("browser")  # what the console said before this test's actions is not this test's
+
+
+def replace_text(driver, element_id: str, text: str):
+    """Select all of a field and type over it, as a person would."""
+    field = driver.find_element(By.ID, element_id)
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(Keys.DELETE)
+    field.send_keys(text)
+    settle(driver)
+
+
+def chips(driver, box="token-chips") -> list[dict]:
+    return [
+        {
+            "id": int(c.get_attribute("data-token-id")),
+            "raw": c.get_attribute("data-raw"),
+            "piece": c.get_attribute("data-piece"),
+        }
+        for c in driver.find_elements(By.CSS_SELECTOR, f"#{box} .chip")
+    ]
+
+
+def candidates(driver) -> list[tuple[int, float]]:
+    return [
+        (int(c.get_attribute("data-token-id")), float(c.get_attribute("data-probability")))
+        for c in driver.find_elements(By.CSS_SELECTOR, "#candidates .candidate")
+    ]
+
+
+def hovered_row(driver) -> list[float]:
+    return json.loads(driver.find_element(By.ID, "attends").get_attribute("data-row"))
+
+
+def console_errors(driver) -> list[str]:
+    """The console's errors since the last look: a script error, or a CSP refusal of something the page used."""
+    return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def canvas_pixel(driver, q: int, k: int) -> list[int]:
+    """The RGBA at the middle of cell (q, k) of the attention map."""
+    return driver.execute_script(
+        """const canvas = document.getElementById("attention-map");
+        const cell = canvas.clientWidth / Number(canvas.dataset.keys), ratio = canvas.width / canvas.clientWidth;
+        const x = Math.floor((arguments[1] + 0.5) * cell * ratio), y = Math.floor((arguments[0] + 0.5) * cell * ratio);
+        return Array.from(canvas.getContext("2d").getImageData(x, y, 1, 1).data);""",
+        q,
+        k,
+    )
+
+
+def settings_on_page(driver) -> dict:
+    value = lambda element_id: driver.find_element(By.ID, element_id).get_attribute("value")  # noqa: E731
+    return {
+        "temperature": float(value("temperature")),
+        "top_k": int(value("top-k")),
+        "top_p": float(value("top-p")),
+        "presence_penalty": float(value("presence-penalty")),
+        "frequency_penalty": float(value("frequency-penalty")),
+    }
+
+
+# ---- the tests -----------------------------------------------------------------------------------------------
+
+
+def test_typed_prompt_shows_the_folders_tokens_and_a_tokens_merges(chromium, servers, lm_tokenizer):
+    open_page(chromium, servers["lm"])
+    replace_text(chromium, "prompt", PROMPT)
+    ids = lm_tokenizer(PROMPT, add_special_tokens=False).input_ids
+    shown = chips(chromium)
+    assert [c["id"] for c in shown] == ids
+    assert [c["raw"] for c in shown] == lm_tokenizer.convert_ids_to_tokens(ids)
+    assert [c["piece"] for c in shown] == [lm_tokenizer.decode([i]) for i in ids]
+    # A merged token (the longest piece): its tree's root is that token, and its leaves spell it.
+    longest = max(range(len(ids)), key=lambda i: len(shown[i]["raw"]))
+    assert len(shown[longest]["raw"]) > 1, "no merged token in the prompt: the merge tree test proves nothing"
+    chromium.find_elements(By.CSS_SELECTOR, "#token-chips .chip")[longest].click()
+    settle(chromium)
+    root = chromium.find_element(By.CSS_SELECTOR, "#merge-tree > .merge-node")
+    assert root.get_attribute("data-raw") == shown[longest]["raw"]
+    leaves = root.find_elements(By.CSS_SELECTOR, ".merge-node:not(:has(.merge-node))")
+    assert "".join(leaf.get_attribute("data-raw") for leaf in leaves) == shown[longest]["raw"]
+    assert chromium.find_element(By.ID, "error").text == ""
+    assert console_errors(chromium) == []
+
+
+def test_switching_layer_and_head_shows_that_map(chromium, servers, lm_tokenizer):
+    open_page(chromium, servers["lm"])
+    replace_text(chromium, "prompt", PROMPT)
+    model, tokenizer = load_eager(LM)
+    expected = attention_maps(model, tokenizer, PROMPT)["decoder"].weights
+    layer, head, row = 1, 2, 4
+    Select(chromium.find_element(By.ID, "layer")).select_by_value(str(layer))
+    Select(chromium.find_element(By.ID, "head")).select_by_value(str(head))
+    canvas = chromium.find_element(By.ID, "attention-map")
+    assert (canvas.get_attribute("data-layer"), canvas.get_attribute("data-head")) == (str(layer), str(head))
+    label = chromium.find_element(By.CSS_SELECTOR, f'#row-labels [data-query-index="{row}"]')
+    ActionChains(chromium).move_to_element(label).perform()
+    assert hovered_row(chromium) == pytest.approx(expected[layer, head, row].tolist(), abs=5e-6)  # 5 decimals
+    assert "active" in label.get_attribute("class")
+    # Hovering a token's chip lists its row (of this layer and head) too.
+    chip = chromium.find_elements(By.CSS_SELECTOR, "#token-chips .chip")[2]
+    ActionChains(chromium).move_to_element(chip).perform()
+    assert hovered_row(chromium) == pytest.approx(expected[layer, head, 2].tolist(), abs=5e-6)
+    # The causal mask is drawn masked (the grey hatch, not a weight's blue); the diagonal is a weight's colour.
+    r, g, b, _ = canvas_pixel(chromium, 0, len(expected[0, 0]) - 1)
+    assert max(r, g, b) - min(r, g, b) <= 8 and r < 245, (r, g, b)
+    r, g, b, _ = canvas_pixel(chromium, 0, 0)
+    assert b - r > 40, (r, g, b)
+    assert console_errors(chromium) == []
+
+
+def test_temperature_keys_give_the_python_apis_probabilities(chromium, servers):
+    open_page(chromium, servers["lm"])
+    replace_text(chromium, "prompt", UNSURE)
+    before = candidates(chromium)
+    slider = chromium.find_element(By.ID, "temperature")
+    start = float(slider.get_attribute("value"))
+    for _ in range(3):
+        slider.send_keys(Keys.ARROW_LEFT)
+    settle(chromium)
+    settings = settings_on_page(chromium)
+    assert settings["temperature"] == pytest.approx(start - 0.3)
+    assert chromium.find_element(By.ID, "temperature-value").text == slider.get_attribute("value")
+    after = candidates(chromium)
+    assert after != before
+    explorer = compute.Explorer.open(LM)
+    expected = compute.next_token(explorer, {"text": UNSURE}, settings)["candidates"]
+    assert after == [(c["id"], c["probability"]) for c in expected]  # the very floats
+    # And independently: generate()'s own first-step scores, through its own processors.
+    model = AutoModelForCausalLM.from_pretrained(LM).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(LM)(UNSURE, add_special_tokens=False).input_ids])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=settings["temperature"],
+        top_k=settings["top_k"],
+        top_p=settings["top_p"],
+        max_new_tokens=1,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    generated = torch.softmax(out.scores[0][0], dim=-1)
+    for token_id, probability in after:
+        assert probability == pytest.approx(generated[token_id].item(), abs=1e-6)
+    # A penalty typed into its box is applied as compute applies it.
+    replace_text(chromium, "presence-penalty", "0.5")
+    settings = settings_on_page(chromium)
+    assert settings["presence_penalty"] == 0.5
+    expected = compute.next_token(explorer, {"text": UNSURE}, settings)
+    assert candidates(chromium) == [(c["id"], c["probability"]) for c in expected["candidates"]]
+    assert "PresencePenaltyLogitsProcessor(0.5)" in chromium.find_element(By.ID, "processors").text
+    assert console_errors(chromium) == []
+
+
+def test_greedy_three_steps_give_generates_tokens(chromium, servers, shots, lm_tokenizer):
+    open_page(chromium, servers["lm"])
+    replace_text(chromium, "prompt", QUESTION)
+    replace_text(chromium, "steps", "3")
+    chromium.find_element(By.ID, "greedy").click()
+    WebDriverWait(chromium, WAIT).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#generation-table tbody tr")) == 3
+    )
+    settle(chromium)
+    prompt = lm_tokenizer(QUESTION, add_special_tokens=False).input_ids
+    model = AutoModelForCausalLM.from_pretrained(LM).eval()
+    ids = torch.tensor([prompt])
+    new = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3)[0, len(prompt) :]
+    rows = chromium.find_elements(By.CSS_SELECTOR, "#generation-table tbody tr")
+    assert [int(r.get_attribute("data-token-id")) for r in rows] == new.tolist()
+    assert [r.get_attribute("data-phase") for r in rows] == ["prefill", "decode", "decode"]
+    # The page re-analyzed the ids themselves: the prompt's tokens, then the three new ones.
+    assert [c["id"] for c in chips(chromium)] == prompt + new.tolist()
+    ActionChains(chromium).move_to_element(
+        chromium.find_element(By.CSS_SELECTOR, "#token-chips .chip:nth-child(6)")
+    ).perform()
+    chromium.find_elements(By.CSS_SELECTOR, "#token-chips .chip")[-4].click()
+    settle(chromium)
+    assert console_errors(chromium) == []
+    save_screenshots(chromium, "lm", shots, SECTIONS)
+
+
+def test_translation_folder_shows_the_cross_attention_grid(chromium, servers, shots):
+    open_page(chromium, servers["en"])
+    assert chromium.find_element(By.ID, "target").is_displayed()
+    replace_text(chromium, "prompt", SOURCE)
+    model, tokenizer = load_eager(EN)
+    maps = attention_maps(model, tokenizer, SOURCE)
+    cross = maps["cross"]
+    source = chips(chromium)
+    target = chips(chromium, "target-chips")
+    assert [c["id"] for c in source] == tokenizer(SOURCE, add_special_tokens=False).input_ids
+    # The target is the model's own greedy translation, start token first.
+    reference = AutoModelForSeq2SeqLM.from_pretrained(EN).eval()
+    ids = torch.tensor([[c["id"] for c in source]])
+    assert [c["id"] for c in target] == reference.generate(ids, do_sample=False, max_new_tokens=15)[0].tolist()
+    Select(chromium.find_element(By.ID, "attention-kind")).select_by_value("cross")
+    Select(chromium.find_element(By.ID, "layer")).select_by_value("1")
+    canvas = chromium.find_element(By.ID, "attention-map")
+    assert canvas.get_attribute("data-kind") == "cross"
+    assert int(canvas.get_attribute("data-queries")) == len(target) == cross.weights.shape[2]
+    assert int(canvas.get_attribute("data-keys")) == len(source) == cross.weights.shape[3]
+    assert len(chromium.find_elements(By.CSS_SELECTOR, "#row-labels .row-label")) == len(target)
+    assert len(chromium.find_elements(By.CSS_SELECTOR, "#column-labels .col-label")) == len(source)
+    assert canvas.size["width"] > 0 and canvas.size["height"] / canvas.size["width"] == pytest.approx(
+        len(target) / len(source), rel=0.05
+    )
+    row = 3
+    ActionChains(chromium).move_to_element(
+        chromium.find_elements(By.CSS_SELECTOR, "#target-chips .chip")[row]
+    ).perform()
+    assert hovered_row(chromium) == pytest.approx(cross.weights[1, 0, row].tolist(), abs=5e-6)
+    assert console_errors(chromium) == []
+    save_screenshots(chromium, "translation", shots, ("tokens", "attention"))
+
+
+def test_a_prompt_past_the_context_is_one_message_and_the_page_recovers(chromium, servers, lm_tokenizer):
+    open_page(chromium, servers["lm"])
+    replace_text(chromium, "prompt", "5 " * 100)  # 200 tokens; the model reads 64
+    messages = chromium.find_elements(By.CSS_SELECTOR, "#error p")
+    assert len(messages) == 1
+    assert "this model reads at most 64" in messages[0].text
+    replace_text(chromium, "prompt", PROMPT)
+    assert chromium.find_elements(By.CSS_SELECTOR, "#error p") == []
+    assert [c["id"] for c in chips(chromium)] == lm_tokenizer(PROMPT, add_special_tokens=False).input_ids
+    assert candidates(chromium)
