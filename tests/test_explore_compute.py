@@ -117,6 +117,37 @@ def test_next_token_equals_generates_first_step_scores(which, settings, request)
     assert got["entropy"] == pytest.approx(-(positive * positive.log()).sum().item(), abs=1e-5)
 
 
+def test_the_folders_own_processors_apply_as_in_generate(lm):
+    """A generation config's no-repeat n-gram size and bad words (an imported OPUS-MT has its pad token there)."""
+    config = lm.model.generation_config
+    saved = config.no_repeat_ngram_size, config.bad_words_ids
+    text = "seven seven seven"
+    try:
+        config.no_repeat_ngram_size, config.bad_words_ids = 2, [[0], [272]]
+        got = next_token(lm, {"text": text}, {"top_k": 0, "top_p": 1.0}, top=100)
+        torch.manual_seed(0)
+        out = lm.model.generate(
+            **generate_inputs(lm, text, []),
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            max_new_tokens=1,
+        )
+    finally:
+        config.no_repeat_ngram_size, config.bad_words_ids = saved
+    expected = torch.softmax(out.scores[0][0], dim=-1)
+    assert got["kept"] == int((expected > 0).sum()) < lm.vocab_size - 2
+    for c in got["candidates"]:
+        assert c["probability"] == pytest.approx(expected[c["id"]].item(), abs=1e-6)
+    assert [n.split("(")[0] for n in got["processors"]][:3] == [
+        "RepetitionPenaltyLogitsProcessor",
+        "NoRepeatNGramLogitsProcessor",
+        "NoBadWordsLogitsProcessor",
+    ]
+
+
 def test_the_cuts_and_penalties_show_in_the_distribution(lm):
     inputs = {"text": LM_TEXT + " one one"}
     assert next_token(lm, inputs, {"top_k": 5, "top_p": 1.0})["kept"] == 5

@@ -233,7 +233,8 @@ def _greedy_translation(ex: Explorer, ids: list[int]) -> list[int]:
     """The decoder's input for the model's own greedy translation (start token first), as
     `viz.attention.attention_maps` makes it."""
     source = torch.tensor([ids], device=ex.model.device)
-    generated = ex.model.generate(input_ids=source, num_beams=1, do_sample=False, max_new_tokens=ex.context - 1)
+    with ex.lock:
+        generated = ex.model.generate(input_ids=source, num_beams=1, do_sample=False, max_new_tokens=ex.context - 1)
     return generated[0].tolist()
 
 
@@ -309,23 +310,35 @@ def _user_processors(settings: dict) -> list:
     return processors
 
 
+def _folder_processors(ex: Explorer) -> list[tuple[str, object]]:
+    """The processors the folder's generation config adds in generate(), in its order: a repetition penalty
+    (Deriv's trained folders have 1.1), a no-repeat n-gram size, bad words (an imported OPUS-MT's pad token).
+    subtle: the ones tied to a length limit (min_length, forced BOS/EOS) are left out: the explorer shows the
+    next token of a sequence that may go on, not the last one before max_length."""
+    from transformers import NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    config = ex.model.generation_config
+    named = []
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        penalty = config.repetition_penalty
+        named.append((f"RepetitionPenaltyLogitsProcessor({penalty:g})", RepetitionPenaltyLogitsProcessor(penalty)))
+    if config.no_repeat_ngram_size:
+        size = config.no_repeat_ngram_size
+        named.append((f"NoRepeatNGramLogitsProcessor({size})", NoRepeatNGramLogitsProcessor(size)))
+    if config.bad_words_ids is not None:
+        eos = config.eos_token_id
+        processor = NoBadWordsLogitsProcessor(config.bad_words_ids, eos)
+        named.append((f"NoBadWordsLogitsProcessor({config.bad_words_ids})", processor))
+    return named
+
+
 def sampling_processors(ex: Explorer, settings: dict) -> list[tuple[str, object]]:
     """(name, processor) in the order generate(do_sample=True) applies them (`_get_logits_processor`): the
-    folder's own processors (its repetition penalty), then the user's list (the penalties), then the warpers
+    folder's own processors (`_folder_processors`), then the user's list (the penalties), then the warpers
     temperature, top-k and top-p, each only where it changes something (as generate() skips them)."""
-    from transformers import (
-        RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    named = []
-    repetition = ex.model.generation_config.repetition_penalty
-    if repetition is not None and repetition != 1.0:
-        named.append(
-            (f"RepetitionPenaltyLogitsProcessor({repetition:g})", RepetitionPenaltyLogitsProcessor(repetition))
-        )
+    named = _folder_processors(ex)
     for processor in _user_processors(settings):
         value = getattr(processor, "presence_penalty", None) or getattr(processor, "frequency_penalty", None)
         named.append((f"{type(processor).__name__}({value:g})", processor))
