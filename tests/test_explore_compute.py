@@ -110,6 +110,8 @@ def test_next_token_equals_generates_first_step_scores(which, settings, request)
             assert c["score"] is None and c["probability"] == 0.0
         else:
             assert c["score"] == pytest.approx(scores[c["id"]].item(), abs=1e-4)
+    ranked = [(-c["probability"], c["id"]) for c in got["candidates"]]
+    assert ranked == sorted(ranked)  # by probability, ties by id
     assert [c["probability"] for c in got["candidates"]] == sorted(
         (c["probability"] for c in got["candidates"]), reverse=True
     )

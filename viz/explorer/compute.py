@@ -394,7 +394,8 @@ def _distribution(ex: Explorer, history: list[int], logits: torch.Tensor, settin
         scores = processor(input_ids, scores)
     probabilities = torch.softmax(scores, dim=-1)[0]
     base = torch.softmax(logits, dim=-1)[0]
-    order = sorted(range(probabilities.numel()), key=lambda i: (-probabilities[i].item(), i))[:top]
+    # subtle: a stable sort keeps equal probabilities (the zeros past a cut) in id order
+    order = torch.sort(probabilities, descending=True, stable=True).indices[:top].tolist()
     candidates = []
     for i in order:
         score = scores[0, i].item()
