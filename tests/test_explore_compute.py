@@ -253,12 +253,19 @@ def test_analyzes_attention_is_attention_maps(lm):
 
 
 def test_a_translation_has_both_stacks_and_the_cross_attention(mt):
-    got = analyze(mt, {"text": SOURCE})  # no target: the model's own greedy translation, as attention_maps makes it
+    # no target: the model's own greedy translation, as attention_maps makes it, without the <eos> that closed it
+    got = analyze(mt, {"text": SOURCE})
     maps = attention_maps(mt.model, mt.tokenizer, SOURCE)
     source, target = len(got["tokens"]), len(got["target_tokens"])
+    assert maps["decoder"].query_tokens[target:] == ["<eos>"] and mt.model.generation_config.eos_token_id not in [
+        t["id"] for t in got["target_tokens"]
+    ]
     for side in ("encoder", "decoder", "cross"):
         weights = torch.tensor(got["attention"][side]["weights"])
-        assert torch.allclose(weights, maps[side].weights, atol=6e-6)
+        keys = source if side != "decoder" else target  # the masked self-attention's rows never saw the <eos>
+        assert torch.allclose(
+            weights, maps[side].weights[..., : target if side != "encoder" else source, :keys], atol=6e-6
+        )
         assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-4)
     assert (got["attention"]["cross"]["queries"], got["attention"]["cross"]["keys"]) == (target, source)
     assert [got["attention"][s]["causal"] for s in ("encoder", "decoder", "cross")] == [False, True, False]

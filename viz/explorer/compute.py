@@ -231,11 +231,18 @@ def _inputs(ex: Explorer, inputs: dict) -> Inputs:
 @torch.no_grad()
 def _greedy_translation(ex: Explorer, ids: list[int]) -> list[int]:
     """The decoder's input for the model's own greedy translation (start token first), as
-    `viz.attention.attention_maps` makes it."""
+    `viz.attention.attention_maps` makes it, without the end-of-sequence token that closed it: the page then shows
+    the translation's alignment, and the next token's distribution at its last position (where the model ends
+    it), from which greedy and sample go on as `generate()` would."""
     source = torch.tensor([ids], device=ex.model.device)
     with ex.lock:
         generated = ex.model.generate(input_ids=source, num_beams=1, do_sample=False, max_new_tokens=ex.context - 1)
-    return generated[0].tolist()
+    decoder_ids = generated[0].tolist()
+    eos = ex.model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    if len(decoder_ids) > 1 and decoder_ids[-1] in eos:
+        decoder_ids.pop()
+    return decoder_ids
 
 
 def _token(ex: Explorer, token_id: int) -> dict:
