@@ -25,7 +25,7 @@ PIP := -m pip install --quiet --disable-pip-version-check
 SETUP_PIP := -m pip install --disable-pip-version-check --progress-bar $(shell test -t 2 && echo on || echo off)
 
 .PHONY: setup test test-oldest test-newest test-all lock train train-translation lint lint-imports bench \
-	bench-seq2seq bench-tokenizer clean
+	bench-seq2seq bench-tokenizer browser clean
 
 setup: $(STAMP)
 
@@ -100,6 +100,19 @@ bench-seq2seq: setup
 
 bench-tokenizer: setup
 	$(VENV)/bin/deriv bench tokenizer $(BENCH_ARGS)
+
+# The explorer's browser tests (tests/test_explore_browser.py) drive Debian's Chromium through its chromedriver,
+# which they skip without (and CI, with DERIV_REQUIRE_BROWSER=1, fails without). This installs the two Debian
+# packages with apt-get, through sudo unless you are root; Selenium is given their paths and downloads nothing.
+SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
+browser:
+	@if test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; then \
+		echo "browser: /usr/bin/chromium and /usr/bin/chromedriver are installed"; \
+	else \
+		echo "browser: installing Debian's chromium and chromium-driver with apt-get (for the browser tests)"; \
+		$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+			chromium chromium-driver; \
+	fi
 
 clean:
 	rm -rf $(VENV) .venv-oldest .venv-newest build *.egg-info .pytest_cache
