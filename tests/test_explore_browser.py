@@ -259,9 +259,20 @@ def test_greedy_three_steps_give_generates_tokens(chromium, servers, shots, lm_t
     prompt = lm_tokenizer(QUESTION, add_special_tokens=False).input_ids
     model = AutoModelForCausalLM.from_pretrained(LM).eval()
     ids = torch.tensor([prompt])
-    new = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3)[0, len(prompt) :]
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=3,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    new = out.sequences[0, len(prompt) :]
     rows = chromium.find_elements(By.CSS_SELECTOR, "#generation-table tbody tr")
     assert [int(r.get_attribute("data-token-id")) for r in rows] == new.tolist()
+    for row, scores, token in zip(rows, out.scores, new.tolist(), strict=True):
+        chosen = torch.softmax(scores[0], dim=-1)[token].item()
+        assert float(row.get_attribute("data-probability")) == pytest.approx(chosen, abs=1e-6)
     assert [r.get_attribute("data-phase") for r in rows] == ["prefill", "decode", "decode"]
     # The page re-analyzed the ids themselves: the prompt's tokens, then the three new ones.
     assert [c["id"] for c in chips(chromium)] == prompt + new.tolist()

@@ -357,6 +357,7 @@ function drawAttention() {
   }));
   $("column-labels").replaceChildren(...columns.map((t, k) =>
     el("div", {class: "col-label", "data-key-index": k, style: {width: `${cell}px`}}, readable(t))));
+  $("masked-legend").hidden = !maps.causal;
   if (state.query !== null && state.query >= maps.queries) state.query = null;
   drawCells();
   listRow();
@@ -457,16 +458,14 @@ function drawGeneration(g) {
   }, el("td", {}, i + 1), el("td", {}, el("code", {}, readable(s))), el("td", {}, s.probability.toFixed(4)),
   el("td", {}, s.phase), el("td", {}, (s.seconds * 1000).toFixed(2)), el("td", {}, s.cache_positions),
   el("td", {}, s.cache_bytes))));
-  const info = state.info;
-  const layers = info.kind === "seq2seq" ? info.decoder_layers : info.layers;
-  const perPosition = 2 * layers * info.kv_heads * info.head_dim;
-  const bytes = g.cache.per_token_bytes / perPosition;
-  const positions = g.steps.length ? g.steps[g.steps.length - 1].cache_positions : 0;
+  const last = g.steps[g.steps.length - 1];
+  if (!last) return;
+  const cross = g.cache.cross_bytes ? ` + ${g.cache.cross_bytes} for the cross-attention's keys and values` : "";
   const decode = g.decode_seconds_mean == null ? "" : `, decode ${(g.decode_seconds_mean * 1000).toFixed(2)} ms a step`;
-  $("cache-formula").textContent = `${g.cache.formula}: 2 × ${layers} × ${info.kv_heads} × ${info.head_dim} × ` +
-    `${positions} × ${bytes} = ${g.cache.per_token_bytes * positions} bytes ` +
-    `(${g.cache.per_token_bytes} a position); the returned cache's tensors hold ${g.cache.final_bytes} bytes. ` +
-    `Prefill ${(g.prefill_seconds * 1000).toFixed(2)} ms${decode}.` + (g.finished ? " It stopped at </s>." : "");
+  $("cache-formula").textContent = `${g.cache.formula}. After the last step: ${last.cache_positions} positions × ` +
+    `${g.cache.per_token_bytes} bytes${cross} = ${last.cache_bytes} bytes; the returned cache's tensors hold ` +
+    `${g.cache.final_bytes} bytes. Prefill ${(g.prefill_seconds * 1000).toFixed(2)} ms${decode}.` +
+    (g.finished ? " It stopped at the end-of-sequence token." : "");
 }
 
 // --- wiring ------------------------------------------------------------------------------------------------
