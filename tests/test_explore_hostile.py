@@ -273,6 +273,25 @@ def test_the_command_says_where_it_serves(server):
     )
 
 
+def test_a_translation_folder_is_explored_and_its_target_checked(tmp_path):
+    """numbers_en (context 16): the cross-attention is there; a bad target is a 400 naming the target's field."""
+    server = ServerProcess(DATA / "numbers_en", log=tmp_path / "translation.log", command="explore")
+    try:
+        status, payload, _, _ = send(server.port, "POST", "/api/analyze", {"text": "5 3 1", "target": "five"})
+        assert status == 200 and set(payload["attention"]) == {"encoder", "decoder", "cross"}
+        for body, field, message in [
+            ({"text": "5 3 1", "target_ids": [300]}, "target_ids", "from 0 to 299"),
+            ({"text": "5 3 1", "target": "5", "target_ids": [26]}, "target_ids", "at most one of target"),
+            ({"text": "5 3 1", "target": "five " * 10}, "target", "its context"),
+        ]:
+            status, payload, _, _ = send(server.port, "POST", "/api/next", body)
+            assert (status, payload["error"]["field"]) == (400, field) and message in payload["error"]["message"]
+        status, _, _, _ = send(server.port, "POST", "/api/generate", {"text": "5 3 1", "steps": 2})
+        assert status == 200
+    finally:
+        assert server.stop() == 0, server.log_tail()
+
+
 def test_ctrl_c_stops_it_with_status_130(tmp_path):
     server = ServerProcess(FOLDER, log=tmp_path / "int.log", command="explore")
     server.process.send_signal(signal.SIGINT)
