@@ -95,7 +95,9 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)"
     )
-    parser.add_argument("--port", type=integer(minimum=1, maximum=65535), default=8008)
+    parser.add_argument(
+        "--port", type=integer(minimum=1, maximum=65535), default=8008, help="port to listen on (default: 8008)"
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, ... (default: auto)")
     parser.add_argument(
         "--max-body-bytes",

@@ -154,7 +154,7 @@ def _json_type(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "a number" if math.isfinite(value) else str(value)
     if isinstance(value, str):
-        return f"the string {value[:20]!r}" if len(value) <= 20 else "a string"
+        return f"the string {value!r}" if len(value) <= 20 else "a string"
     if isinstance(value, list):
         return "an array"
     return "an object" if isinstance(value, dict) else type(value).__name__
