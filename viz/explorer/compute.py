@@ -420,7 +420,7 @@ def _distribution(ex: Explorer, history: list[int], logits: torch.Tensor, settin
         "candidates": candidates,
         "kept": int(positive.numel()),
         "vocab_size": int(probabilities.numel()),
-        "entropy": float(-(positive * positive.log()).sum().item()),
+        "entropy": abs(float((positive * positive.log()).sum().item())),  # abs: one kept token gives 0, not -0.0
         "processors": [name for name, _ in named],
     }
 

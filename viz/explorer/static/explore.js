@@ -10,6 +10,7 @@ const state = {
   targetIds: null, // the same for a translation folder's target
   analysis: null,
   query: null, // the attention row that is outlined and listed
+  typedAt: null, // performance.now() of the last keystroke or control move not yet drawn
 };
 
 // --- requests ----------------------------------------------------------------------------------------------
@@ -57,11 +58,26 @@ async function request(path, body) {
     const server = typeof data.seconds === "number" ? `, the model ${(data.seconds * 1000).toFixed(0)} ms` : "";
     $("status").textContent = `${path}: ${ms.toFixed(0)} ms round trip${server}`;
     $("status").dataset.ms = ms.toFixed(1);
+    $("status").dataset.serverMs = typeof data.seconds === "number" ? (data.seconds * 1000).toFixed(1) : "";
     return data;
   } finally {
     inflight--;
     markBusy();
   }
+}
+
+// The time from the last keystroke (or move of a control) to its reply drawn: the debounce, the round trip and
+// the drawing, as a person waits for it (the measurement docs/results.md quotes).
+function keystrokeDrawn() {
+  if (state.typedAt === null) return;
+  const ms = performance.now() - state.typedAt;
+  state.typedAt = null;
+  $("status").dataset.keystrokeMs = ms.toFixed(1);
+  $("status").textContent += `; keystroke to page ${ms.toFixed(0)} ms`;
+}
+
+function typed() {
+  state.typedAt = performance.now();
 }
 
 function showError(error) {
@@ -83,6 +99,7 @@ async function view(path, body, draw) {
     if (mine !== latestView) return;
     clearError();
     draw(data);
+    keystrokeDrawn();
   } catch (error) {
     if (mine === latestView) showError(error);
   }
@@ -445,7 +462,7 @@ function drawNext(n) {
     },
     el("code", {class: "piece"}, readable(c)),
     el("span", {class: "bar"}, el("span", {class: "fill", style: {width: `${(c.probability * 100).toFixed(2)}%`}})),
-    el("span", {class: "numbers"}, el("b", {}, percent), ` p = ${c.probability}`,
+    el("span", {class: "numbers"}, el("b", {}, percent), ` p = ${c.probability.toPrecision(6)}`,
       ` · logit ${c.logit.toFixed(4)}`, ` · untouched p = ${c.base_probability.toFixed(4)}`));
   }));
 }
@@ -472,6 +489,9 @@ function drawGeneration(g) {
 
 function start() {
   markBusy();
+  for (const id of ["prompt", "target", "temperature", "top-k", "top-p", "presence-penalty", "frequency-penalty"]) {
+    $(id).addEventListener("input", typed);
+  }
   $("prompt").addEventListener("input", () => {
     state.ids = null;
     state.targetIds = null;
