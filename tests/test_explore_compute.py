@@ -1,7 +1,8 @@
 """The explorer's numbers (`viz/explorer/compute.py`) are the model's own: the next token's distribution equals
 generate()'s first-step scores, the steps equal generate()'s tokens, the cache formula equals the real cache's
-bytes, the attention equals `attention_maps`, the embeddings' sum is what the first layer receives, the merge
-trees rebuild their tokens, and every bad input is refused naming its field.
+bytes, the attention equals `attention_maps` exactly (every map, through analyze's view and `attention`, from the
+server's cache of recent forwards or a new one) and its overview is their pooling, the embeddings' sum is what the
+first layer receives, the merge trees rebuild their tokens, and every bad input is refused naming its field.
 
 On the two small trained folders in tests/data (a language model and a translation model), loaded once per module.
 """
@@ -20,6 +21,8 @@ from deriv_lm.viz.attention import attention_maps
 from deriv_lm.viz.explorer.compute import (
     Explorer,
     analyze,
+    attention,
+    decode,
     generate_steps,
     info,
     merges,
@@ -240,16 +243,107 @@ def test_the_cache_formula_is_the_real_caches_bytes(which, request):
     assert got["steps"][1]["cache_bytes"] - got["steps"][0]["cache_bytes"] == got["cache"]["per_token_bytes"]
 
 
+def every_map(maps):
+    layers, heads = maps.weights.shape[:2]
+    return [(layer, head) for layer in range(layers) for head in range(heads)]
+
+
+def pooled(weights: torch.Tensor) -> torch.Tensor:
+    """What the overview should hold: each (L, H) map average-pooled to at most 24 x 24, scaled to 0..255."""
+    layers, heads, queries, keys = weights.shape
+    size = (min(queries, 24), min(keys, 24))
+    return (
+        torch.nn.functional.adaptive_avg_pool2d(weights.reshape(-1, queries, keys), size).reshape(layers, heads, *size)
+        * 255
+    )
+
+
 def test_analyzes_attention_is_attention_maps(lm):
-    got = analyze(lm, {"text": LM_TEXT})
     maps = attention_maps(lm.model, lm.tokenizer, LM_TEXT)["decoder"]
-    weights = torch.tensor(got["attention"]["decoder"]["weights"])
-    assert weights.shape == maps.weights.shape
-    assert torch.allclose(weights, maps.weights, atol=6e-6)
-    assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-4)
-    above = torch.triu(torch.ones(weights.shape[-2:], dtype=torch.bool), diagonal=1)
-    assert (weights[..., above] == 0.0).all() and got["attention"]["decoder"]["causal"]
+    got = analyze(lm, {"text": LM_TEXT})
+    facts = got["attention"]["decoder"]
+    assert (facts["layers"], facts["heads"], facts["queries"], facts["keys"]) == tuple(maps.weights.shape)
+    assert got["view"]["kind"] == "decoder" and (got["view"]["layer"], got["view"]["head"]) == (0, 0)  # the default
+    for layer, head in every_map(maps):
+        view = {"kind": "decoder", "layer": layer, "head": head}
+        shown = analyze(lm, {"text": LM_TEXT}, view=view)["view"]
+        assert shown["weights"]["dtype"] == "float32" and shown["weights"]["shape"] == list(maps.weights.shape[2:])
+        weights = decode(shown["weights"])
+        assert weights.dtype == torch.float32 and torch.equal(weights, maps.weights[layer, head])  # exactly
+    weights = decode(got["view"]["weights"])
+    assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[0]), atol=1e-4)
+    above = torch.triu(torch.ones(weights.shape, dtype=torch.bool), diagonal=1)
+    assert (weights[above] == 0.0).all() and facts["causal"]
     assert [t["id"] for t in got["tokens"]] == ids_of(lm, LM_TEXT)
+
+
+def test_the_attention_endpoint_gives_each_map_exactly(lm, mt):
+    maps = attention_maps(lm.model, lm.tokenizer, LM_TEXT)["decoder"]
+    for layer, head in every_map(maps):
+        got = attention(lm, {"text": LM_TEXT}, "decoder", layer, head)
+        assert (got["kind"], got["layer"], got["head"]) == ("decoder", layer, head)
+        assert torch.equal(decode(got["weights"]), maps.weights[layer, head])
+    target = "3 0 0"
+    maps = attention_maps(mt.model, mt.tokenizer, SOURCE, target=target)
+    for kind in ("cross", "encoder", "decoder"):
+        for layer, head in every_map(maps[kind]):
+            got = attention(mt, {"text": SOURCE, "target": target}, kind, layer, head)
+            assert torch.equal(decode(got["weights"]), maps[kind].weights[layer, head]), (kind, layer, head)
+
+
+def test_the_overview_is_every_map_pooled(lm, mt):
+    maps = attention_maps(lm.model, lm.tokenizer, LM_TEXT)["decoder"]
+    overview = analyze(lm, {"text": LM_TEXT})["attention"]["decoder"]["overview"]
+    assert overview["dtype"] == "uint8" and overview["scale"] == 255
+    cells = decode(overview)
+    assert cells.shape == maps.weights.shape  # smaller than 24 x 24: the maps themselves
+    assert (cells.float() - maps.weights * 255).abs().max() <= 0.5 + 1e-4
+    # a map larger than 24 x 24 (the context of 64 filled) is averaged down to 24 x 24
+    text = " ".join(["5"] * 32)[:-1] + " :"
+    ids = ids_of(lm, text)[:64]
+    got = analyze(lm, {"ids": ids})["attention"]["decoder"]["overview"]
+    weights = torch.stack(lm.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions)[:, 0].float()
+    assert got["shape"] == [2, 4, 24, 24] and weights.shape[-1] > 24
+    assert (decode(got).float() - pooled(weights)).abs().max() <= 1.0  # within 1/255 of the pooled weight
+    target = "3 0 0"
+    maps = attention_maps(mt.model, mt.tokenizer, SOURCE, target=target)
+    attention_facts = analyze(mt, {"text": SOURCE, "target": target})["attention"]
+    for kind in ("cross", "encoder", "decoder"):
+        assert (decode(attention_facts[kind]["overview"]).float() - pooled(maps[kind].weights)).abs().max() <= 1.0
+
+
+class Forwards:
+    """Counts the model's forward passes (generate()'s included) while in a `with` block."""
+
+    def __init__(self, model):
+        self.model, self.count = model, 0
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_hook(lambda *args: setattr(self, "count", self.count + 1))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+@pytest.mark.parametrize("which", ["lm", "mt"])
+def test_a_switch_is_a_lookup_and_a_miss_recomputes(which, request):
+    ex = request.getfixturevalue(which)
+    kind = "decoder" if which == "lm" else "cross"
+    inputs = {"text": LM_TEXT if which == "lm" else SOURCE}  # a translation: its own greedy translation, kept too
+    first = analyze(ex, inputs)
+    with Forwards(ex.model) as forwards:
+        switched = attention(ex, inputs, kind, 1, 2)
+    assert forwards.count == 0  # neither a forward nor generate(): the maps of analyze's forward, looked up
+    for text in ("one", "two", "three", "four"):  # four other inputs push it out of the cache
+        analyze(ex, {"text": text})
+    with Forwards(ex.model) as forwards:
+        again = attention(ex, inputs, kind, 1, 2)
+    assert forwards.count >= 1  # recomputed (and, for a translation, its target too)
+    assert again["weights"] == switched["weights"] and first["view"]["kind"] == kind
+    with Forwards(ex.model) as forwards:
+        attention(ex, inputs, kind, 0, 3)
+    assert forwards.count == 0  # and remembered again
 
 
 def test_a_translation_has_both_stacks_and_the_cross_attention(mt):
@@ -260,14 +354,16 @@ def test_a_translation_has_both_stacks_and_the_cross_attention(mt):
     assert maps["decoder"].query_tokens[target:] == ["<eos>"] and mt.model.generation_config.eos_token_id not in [
         t["id"] for t in got["target_tokens"]
     ]
+    assert list(got["attention"]) == ["cross", "encoder", "decoder"] and got["view"]["kind"] == "cross"  # the first
     for side in ("encoder", "decoder", "cross"):
-        weights = torch.tensor(got["attention"][side]["weights"])
+        facts = got["attention"][side]
+        weights = decode(attention(mt, {"text": SOURCE}, side, 1, 0)["weights"])
+        queries = target if side != "encoder" else source
         keys = source if side != "decoder" else target  # the masked self-attention's rows never saw the <eos>
-        assert torch.allclose(
-            weights, maps[side].weights[..., : target if side != "encoder" else source, :keys], atol=6e-6
-        )
+        assert (facts["queries"], facts["keys"]) == (queries, keys) == tuple(weights.shape)
+        # one position fewer than attention_maps' target: the same numbers, not the same float32 rounding
+        assert torch.allclose(weights, maps[side].weights[1, 0, :queries, :keys], atol=1e-6)
         assert torch.allclose(weights.sum(-1), torch.ones(weights.shape[:-1]), atol=1e-4)
-    assert (got["attention"]["cross"]["queries"], got["attention"]["cross"]["keys"]) == (target, source)
     assert [got["attention"][s]["causal"] for s in ("encoder", "decoder", "cross")] == [False, True, False]
     assert got["target_tokens"][0]["id"] == mt.model.config.decoder_start_token_id
 
@@ -289,15 +385,15 @@ def test_embeddings_sum_is_what_the_first_layer_receives(which, request):
     ex = request.getfixturevalue(which)
     inputs = {"text": LM_TEXT if which == "lm" else SOURCE}
     got = analyze(ex, inputs)["embeddings"]
-    token, position, total = (torch.tensor(got[k]) for k in ("token", "position", "sum"))
-    assert torch.allclose(token + position, total, atol=2e-5)
+    token, position, total = (decode(got[k]) for k in ("token", "position", "sum"))
+    assert torch.equal(token + position, total)
     received = first_layer_input(ex, inputs)
-    assert torch.allclose(received[:, : got["dims"]], total, atol=6e-6)
+    assert torch.equal(received[:, : got["dims"]], total)
     assert got["norms"]["sum"] == pytest.approx(received.norm(dim=-1).tolist(), abs=1e-4)
     assert got["embed_scale"] == pytest.approx(math.sqrt(got["hidden_size"]))
     assert got["position_type"] == "sinusoidal"
     # the paper's PE(pos, 0) = sin(pos), PE(pos, 1) = cos(pos)
-    assert [row[0] for row in got["position"]] == pytest.approx([math.sin(p) for p in range(len(total))], abs=1e-5)
+    assert decode(got["position"])[:, 0].tolist() == pytest.approx([math.sin(p) for p in range(len(total))], abs=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -328,14 +424,14 @@ def test_learned_positions_are_the_trained_table(gpt2_shaped):
     assert (facts["position_type"], facts["pre_norm"], facts["embed_scale"]) == ("learned", True, 1.0)
     inputs = {"text": LM_TEXT}
     got = analyze(gpt2_shaped, inputs)["embeddings"]
-    n = len(got["sum"])
+    n = got["sum"]["shape"][0]
     table = gpt2_shaped.model.model.embed_positions.weight[:n, :64]
     assert got["dims"] == 64 and got["hidden_size"] == 96
-    assert torch.allclose(torch.tensor(got["position"]), table, atol=6e-6)
+    assert torch.equal(decode(got["position"]), table)
     rows = gpt2_shaped.model.model.embed_tokens.weight[ids_of(gpt2_shaped, LM_TEXT), :64]
-    assert torch.allclose(torch.tensor(got["token"]), rows, atol=6e-6)  # unscaled: E[id] itself
+    assert torch.equal(decode(got["token"]), rows)  # unscaled: E[id] itself
     received = first_layer_input(gpt2_shaped, inputs)
-    assert torch.allclose(torch.tensor(got["sum"]), received[:, :64], atol=6e-6)
+    assert torch.equal(decode(got["sum"]), received[:, :64])
     assert got["norms"]["sum"] == pytest.approx(received.norm(dim=-1).tolist(), abs=1e-4)
 
 
@@ -469,6 +565,19 @@ def test_bad_inputs_are_refused_naming_the_field(lm, mt):
     refused(lambda: next_token(lm, ok, top=101), "top")
     refused(lambda: merges(lm, 300), "id")
     refused(lambda: merges(lm, -1), "id")
+    # a map that is not the folder's: its kind, its layer, its head
+    assert "'decoder'" in refused(lambda: attention(lm, ok, "cross", 0, 0), "kind")
+    assert "layers 0 to 1" in refused(lambda: attention(lm, ok, "decoder", 2, 0), "layer")
+    assert "heads 0 to 3" in refused(lambda: attention(lm, ok, "decoder", 0, 4), "head")
+    refused(lambda: attention(lm, ok, "decoder", -1, 0), "layer")
+    refused(lambda: attention(lm, ok, "decoder", 0, True), "head")
+    refused(lambda: attention(mt, {"text": "one"}, "self", 0, 0), "kind")
+    refused(lambda: attention(mt, {"text": "one"}, "encoder", 0, 9), "head")
+    refused(lambda: attention(lm, {"text": ""}, "decoder", 0, 0), "text")  # the inputs are checked as analyze's
+    refused(lambda: analyze(lm, ok, view={"kind": "encoder"}), "view.kind")
+    refused(lambda: analyze(lm, ok, view={"layer": 2}), "view.layer")
+    refused(lambda: analyze(lm, ok, view={"head": -1}), "view.head")
+    refused(lambda: analyze(lm, ok, view={"row": 1}), "view.row")
     # the limits themselves are accepted
     next_token(lm, ok, {"temperature": 100, "top_p": 1, "top_k": 0, "presence_penalty": -2, "frequency_penalty": 2})
     generate_steps(lm, {"ids": [5] * 63}, steps=1)

@@ -30,6 +30,7 @@ DATA = Path(__file__).parent / "data"
 FOLDER = DATA / "numbers_lm"  # a language model: context 64, vocabulary 300
 PROMPT = "5 3 1 8 :"
 GOOD = {"text": PROMPT}
+MAP = {**GOOD, "kind": "decoder", "layer": 1, "head": 3}  # numbers_lm: 2 layers of 4 heads, one kind
 CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'; "
     "frame-ancestors 'none'"
@@ -164,7 +165,41 @@ ROWS = [
     ("merges id negative", "POST", "/api/merges", {"id": -1}, 400, "id", "greater than or equal to 0"),
     ("merges id missing", "POST", "/api/merges", {}, 400, "id", "required"),
     ("merges id a bool", "POST", "/api/merges", {"id": False}, 400, "id", "valid integer"),
+    ("attention kind not the folder's", "POST", "/api/attention", {**MAP, "kind": "cross"}, 400, "kind", "'decoder'"),
+    ("attention layer out of range", "POST", "/api/attention", {**MAP, "layer": 2}, 400, "layer", "layers 0 to 1"),
+    ("attention head out of range", "POST", "/api/attention", {**MAP, "head": 4}, 400, "head", "heads 0 to 3"),
+    (
+        "attention layer negative",
+        "POST",
+        "/api/attention",
+        {**MAP, "layer": -1},
+        400,
+        "layer",
+        "greater than or equal",
+    ),
+    ("attention layer huge", "POST", "/api/attention", {**MAP, "layer": 10**30}, 400, "layer", "layers 0 to 1"),
+    ("attention head a string", "POST", "/api/attention", {**MAP, "head": "1"}, 400, "head", "valid integer"),
+    ("attention head a bool", "POST", "/api/attention", {**MAP, "head": True}, 400, "head", "valid integer"),
+    ("attention kind a number", "POST", "/api/attention", {**MAP, "kind": 0}, 400, "kind", "valid string"),
+    ("attention kind missing", "POST", "/api/attention", {**GOOD, "layer": 0, "head": 0}, 400, "kind", "required"),
+    ("attention unknown field", "POST", "/api/attention", {**MAP, "folder": "/etc"}, 400, "folder", "unknown field"),
+    ("attention empty text", "POST", "/api/attention", {**MAP, "text": ""}, 400, "text", "empty"),
+    (
+        "attention ids out of range",
+        "POST",
+        "/api/attention",
+        {"ids": [300], "kind": "decoder", "layer": 0, "head": 0},
+        400,
+        "ids",
+        "from 0 to 299",
+    ),
+    ("view kind not the folder's", "POST", "/api/analyze", {**GOOD, "view": {"kind": "cross"}}, 400, "view.kind", ""),
+    ("view layer out of range", "POST", "/api/analyze", {**GOOD, "view": {"layer": 2}}, 400, "view.layer", "0 to 1"),
+    ("view head negative", "POST", "/api/analyze", {**GOOD, "view": {"head": -1}}, 400, "view.head", "greater than"),
+    ("view unknown field", "POST", "/api/analyze", {**GOOD, "view": {"row": 1}}, 400, "view.row", "unknown field"),
+    ("view not an object", "POST", "/api/analyze", {**GOOD, "view": [0, 0]}, 400, "view", "valid dictionary"),
     ("GET on a POST route", "GET", "/api/analyze", None, 405, None, "GET is not allowed on /api/analyze"),
+    ("GET on /api/attention", "GET", "/api/attention", None, 405, None, "GET is not allowed on /api/attention"),
     ("POST on a GET route", "POST", "/api/info", GOOD, 405, None, "not allowed"),
     ("unknown path", "GET", "/api/nothing", None, 404, None, "no such page or endpoint"),
     ("a trailing slash", "POST", "/api/next/", GOOD, 404, None, "no such page or endpoint"),
@@ -224,6 +259,8 @@ def test_good_requests_are_answered_with_the_security_headers(server):
         ("GET", "/health", None),
         ("GET", "/api/info", None),
         ("POST", "/api/analyze", GOOD),
+        ("POST", "/api/analyze", {**GOOD, "view": {"kind": "decoder", "layer": 1, "head": 3}}),
+        ("POST", "/api/attention", MAP),
         ("POST", "/api/next", {**GOOD, "settings": {"temperature": 0.7, "top_k": 5}, "top": 3}),
         ("POST", "/api/generate", {**GOOD, "steps": 2}),
         ("POST", "/api/merges", {"id": 26}),
@@ -233,6 +270,10 @@ def test_good_requests_are_answered_with_the_security_headers(server):
         check_headers(headers, path)
     status, payload, _, _ = send(server.port, "POST", "/api/next", {**GOOD, "top": 3})
     assert len(payload["candidates"]) == 3
+    status, analyzed, _, _ = send(server.port, "POST", "/api/analyze", {**GOOD, "view": {"layer": 1, "head": 3}})
+    status, switched, _, _ = send(server.port, "POST", "/api/attention", MAP)
+    assert analyzed["view"]["weights"] == switched["weights"] and switched["weights"]["dtype"] == "float32"
+    assert (switched["kind"], switched["layer"], switched["head"]) == ("decoder", 1, 3)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "[::1]:{port}", "LOCALHOST:{port}"])
@@ -278,7 +319,16 @@ def test_a_translation_folder_is_explored_and_its_target_checked(tmp_path):
     server = ServerProcess(DATA / "numbers_en", log=tmp_path / "translation.log", command="explore")
     try:
         status, payload, _, _ = send(server.port, "POST", "/api/analyze", {"text": "5 3 1", "target": "five"})
-        assert status == 200 and set(payload["attention"]) == {"encoder", "decoder", "cross"}
+        assert status == 200 and list(payload["attention"]) == ["cross", "encoder", "decoder"]
+        assert payload["view"]["kind"] == "cross"  # the alignment first
+        source = len(payload["tokens"])
+        body = {"text": "5 3 1", "target": "five", "kind": "encoder", "layer": 1, "head": 0}
+        status, payload, _, _ = send(server.port, "POST", "/api/attention", body)
+        assert status == 200 and payload["weights"]["shape"] == [source, source]
+        status, payload, _, _ = send(server.port, "POST", "/api/attention", {**body, "kind": "self"})
+        assert (status, payload["error"]["field"]) == (400, "kind") and "'cross', 'encoder'" in payload["error"][
+            "message"
+        ]
         for body, field, message in [
             ({"text": "5 3 1", "target_ids": [300]}, "target_ids", "from 0 to 299"),
             ({"text": "5 3 1", "target": "5", "target_ids": [26]}, "target_ids", "at most one of target"),

@@ -2,7 +2,8 @@
 
     GET  /                 the page (static/index.html); GET /static/explore.js, /static/explore.css
     GET  /api/info         the model's facts (compute.info)
-    POST /api/analyze      tokens, embeddings, every attention map, the next-token distribution
+    POST /api/analyze      tokens, embeddings, every attention map's overview and one map whole, the next token
+    POST /api/attention    one attention map (kind, layer, head): its float32 weights
     POST /api/next         the next-token distribution under the settings
     POST /api/generate     a few tokens through generate(), step by step, with the cache's size and the timings
     POST /api/merges       the BPE merges that built one token
@@ -49,7 +50,7 @@ CSP = (
     "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'; "
     "frame-ancestors 'none'"
 )
-ENDPOINTS = "/, /api/info, /api/analyze, /api/next, /api/generate, /api/merges and /health"
+ENDPOINTS = "/, /api/info, /api/analyze, /api/attention, /api/next, /api/generate, /api/merges and /health"
 INTERNAL = "internal error: the explorer failed on this request (its log has the details); other requests still work"
 
 
@@ -70,8 +71,8 @@ class Settings(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)] | None = None
 
 
-class Inputs(BaseModel):
-    """The text (or ids) and, for a translation model, the target (or its ids); the settings."""
+class Texts(BaseModel):
+    """The text (or ids) and, for a translation model, the target (or its ids)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -79,7 +80,6 @@ class Inputs(BaseModel):
     ids: list[Id] | None = None
     target: str | None = None
     target_ids: list[Id] | None = None
-    settings: Settings = Field(default_factory=Settings)
 
     @model_validator(mode="after")
     def _one_of_each(self):
@@ -92,12 +92,36 @@ class Inputs(BaseModel):
     def inputs(self) -> dict:
         return {k: getattr(self, k) for k in ("text", "ids", "target", "target_ids") if getattr(self, k) is not None}
 
+
+class Inputs(Texts):
+    """The texts and the settings."""
+
+    settings: Settings = Field(default_factory=Settings)
+
     def sampling(self) -> dict:
         return self.settings.model_dump(exclude_none=True)
 
 
+class View(BaseModel):
+    """Which attention map analyze sends whole; one left out is the first kind's, layer 0, head 0. The kind and the
+    ranges are the folder's, so compute checks them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: str | None = None
+    layer: Annotated[int, Field(ge=0)] | None = None
+    head: Annotated[int, Field(ge=0)] | None = None
+
+
 class AnalyzeBody(Inputs):
     top: Annotated[int, Field(ge=1, le=MAX_TOP)] = 10
+    view: View = Field(default_factory=View)
+
+
+class AttentionBody(Texts):
+    kind: str
+    layer: Annotated[int, Field(ge=0)]
+    head: Annotated[int, Field(ge=0)]
 
 
 class GenerateBody(Inputs):
@@ -130,7 +154,8 @@ def _first_error(error: ValidationError, schema: type[BaseModel]) -> RequestErro
         field = cause.param or field
         message = cause.message
     elif first["type"] == "extra_forbidden":
-        allowed = ", ".join(schema.model_fields) if "." not in (field or "") else ", ".join(Settings.model_fields)
+        inner = {"settings": Settings, "view": View}.get((field or "").partition(".")[0], schema)
+        allowed = ", ".join(inner.model_fields)
         message = f"unknown field (this request takes {allowed}; the explorer shows only the folder it started with)"
     elif first["type"] == "missing":
         message = "this field is required"
@@ -227,7 +252,13 @@ def build_app(ex, host: str, port: int, max_body_bytes: int):
     @app.post("/api/analyze")
     async def analyze(request: Request):
         body = await body_of(request, AnalyzeBody)
-        return await model_call(compute.analyze, body.inputs(), body.sampling(), top=body.top)
+        view = body.view.model_dump(exclude_none=True)
+        return await model_call(compute.analyze, body.inputs(), body.sampling(), top=body.top, view=view)
+
+    @app.post("/api/attention")
+    async def attention(request: Request):
+        body = await body_of(request, AttentionBody)
+        return await model_call(compute.attention, body.inputs(), body.kind, body.layer, body.head)
 
     @app.post("/api/next")
     async def next_token(request: Request):

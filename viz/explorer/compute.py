@@ -1,5 +1,7 @@
 """The explorer's numbers: tokens, embeddings, attention, the next token's distribution and generation steps
-of one loaded folder, as JSON-ready dicts (lists of floats, never tensors).
+of one loaded folder, as JSON-ready dicts (never tensors). Bulky arrays (an attention map, the embeddings, the
+attention overview) travel as base64 of their bytes (`encode`): float32 exactly as the model computed them, so the
+page holds the model's own values, in a fraction of the bytes of decimal JSON.
 
 Every number comes from the model's own code paths: one eager forward pass with `output_attentions=True` for
 the attention and the logits, transformers' logits processors (in the order `generate()` applies them) for
@@ -10,13 +12,16 @@ message names the field and the limit; its `field` attribute names the field for
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ...errors import UsageError
@@ -26,7 +31,8 @@ from ...tokenization.viewer import _token_bytes
 MAX_STEPS = 64
 MAX_TOP = 100
 SHOWN_DIMS = 64
-DECIMALS = 5
+CACHED_FORWARDS = 4  # the attention of the last few forwards, so that switching layer or head is a lookup
+OVERVIEW_CELLS = 24  # each head's thumbnail: its map average-pooled to at most this many cells a side
 PENALTY_LIMIT = 2.0
 MAX_TEMPERATURE = 100.0
 SETTINGS = ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty")
@@ -52,6 +58,10 @@ class Explorer:
     vocab_size: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     _backend: dict | None = None  # tokenizer.json, parsed once when merges are first asked for
+    # Least recently used first, at most CACHED_FORWARDS each, read and written under `lock`:
+    # (ids, decoder ids) -> {kind: (L, H, Q, K) float32 weights}, and a source's ids -> its greedy translation.
+    _attention: OrderedDict = field(default_factory=OrderedDict)
+    _translations: OrderedDict = field(default_factory=OrderedDict)
 
     @classmethod
     def open(cls, folder: str, device: str = "cpu") -> Explorer:
@@ -204,6 +214,22 @@ class Inputs:
     decoder_ids: list[int] | None = None
 
 
+def remember(memo: OrderedDict, key, value) -> None:
+    """`memo[key] = value` as its most recent entry, the oldest dropped past CACHED_FORWARDS."""
+    memo[key] = value
+    memo.move_to_end(key)
+    while len(memo) > CACHED_FORWARDS:
+        memo.popitem(last=False)
+
+
+def recall(memo: OrderedDict, key):
+    """`memo[key]`, now the most recent entry, or None."""
+    if key not in memo:
+        return None
+    memo.move_to_end(key)
+    return memo[key]
+
+
 def _inputs(ex: Explorer, inputs: dict) -> Inputs:
     """`inputs` checked: exactly one of text/ids, within the vocabulary and the context, not empty. A translation
     model's target (`target`/`target_ids`, without the start token) may be empty; when neither is given it is
@@ -236,12 +262,16 @@ def _greedy_translation(ex: Explorer, ids: list[int]) -> list[int]:
     it), from which greedy and sample go on as `generate()` would."""
     source = torch.tensor([ids], device=ex.model.device)
     with ex.lock:
+        known = recall(ex._translations, tuple(ids))  # subtle: a switch of layer or head asks for it again
+        if known is not None:
+            return list(known)
         generated = ex.model.generate(input_ids=source, num_beams=1, do_sample=False, max_new_tokens=ex.context - 1)
-    decoder_ids = generated[0].tolist()
-    eos = ex.model.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or ())
-    if len(decoder_ids) > 1 and decoder_ids[-1] in eos:
-        decoder_ids.pop()
+        decoder_ids = generated[0].tolist()
+        eos = ex.model.generation_config.eos_token_id
+        eos = {eos} if isinstance(eos, int) else set(eos or ())
+        if len(decoder_ids) > 1 and decoder_ids[-1] in eos:
+            decoder_ids.pop()
+        remember(ex._translations, tuple(ids), tuple(decoder_ids))
     return decoder_ids
 
 
@@ -441,6 +471,20 @@ def next_token(ex: Explorer, inputs: dict, settings: dict | None = None, top: in
 # ----- analyze: tokens, embeddings, attention -----
 
 
+def encode(t: torch.Tensor, dtype: str = "float32") -> dict:
+    """An array as {"shape", "dtype", "data": base64 of its bytes, little-endian, row-major}: the page reads it
+    with a typed array (Float32Array, Uint8Array), so a float32 arrives as exactly the model's value."""
+    array = np.ascontiguousarray(t.detach().cpu().numpy(), dtype="<f4" if dtype == "float32" else dtype)
+    return {"shape": list(array.shape), "dtype": dtype, "data": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def decode(encoded: dict) -> torch.Tensor:
+    """`encode`'s array back as a tensor (for Python clients and the tests)."""
+    dtype = "<f4" if encoded["dtype"] == "float32" else encoded["dtype"]
+    array = np.frombuffer(base64.b64decode(encoded["data"]), dtype=dtype).reshape(encoded["shape"])
+    return torch.from_numpy(array.copy())
+
+
 def _token_embedding(ex: Explorer):
     stack = ex.model.model.encoder if ex.seq2seq else ex.model.model
     return stack.embed_tokens
@@ -448,67 +492,151 @@ def _token_embedding(ex: Explorer):
 
 def _embeddings(ex: Explorer, ids: list[int]) -> dict:
     """The first layer's input, in its two parts: the (scaled) token vectors and the positions' vectors, looked
-    up by the model's own embedding modules (the encoder's, for a translation model)."""
+    up by the model's own embedding modules (the encoder's, for a translation model). The three [tokens][dims]
+    arrays are `encode`d: at a full context of the small preset they were 1 MB as decimal JSON."""
     stack = ex.model.model.encoder if ex.seq2seq else ex.model.model
     device = ex.model.device
     token = stack.embed_tokens(torch.tensor([ids], device=device))[0].float()
     position = stack.embed_positions(torch.arange(len(ids), device=device).unsqueeze(0))[0].float()
     total = token + position
     shown = min(ex.model.config.hidden_size, SHOWN_DIMS)
-
-    def rows(t: torch.Tensor) -> list:
-        return torch.round(t[:, :shown], decimals=DECIMALS).tolist()
-
     return {
         "hidden_size": ex.model.config.hidden_size,
         "dims": shown,
         "position_type": ex.model.config.position_embedding_type,
         "embed_scale": float(stack.embed_tokens.embed_scale),
-        "token": rows(token),
-        "position": rows(position),
-        "sum": rows(total),
+        "token": encode(token[:, :shown]),
+        "position": encode(position[:, :shown]),
+        "sum": encode(total[:, :shown]),
         "norms": {
             name: t.norm(dim=-1).tolist() for name, t in (("token", token), ("position", position), ("sum", total))
         },
     }
 
 
-def _maps(weights: tuple, query_side: str, key_side: str, causal: bool) -> dict:
-    stacked = torch.stack(weights)[:, 0].float()  # (L, H, Q, K)
-    layers, heads, queries, keys = stacked.shape
-    return {
-        "layers": layers,
-        "heads": heads,
-        "queries": queries,
-        "keys": keys,
-        "query_side": query_side,
-        "key_side": key_side,
-        "causal": causal,
-        "weights": torch.round(stacked, decimals=DECIMALS).tolist(),
-    }
+# kind -> (query side, key side, causal), in the order the page offers them: the first is the one shown first,
+# a translation model's cross-attention (the alignment is what a person opens one for).
+LM_KINDS = {"decoder": ("text", "text", True)}
+SEQ2SEQ_KINDS = {
+    "cross": ("target", "source", False),
+    "encoder": ("source", "source", False),
+    "decoder": ("target", "target", True),
+}
+
+
+def _kinds(ex: Explorer) -> dict:
+    return SEQ2SEQ_KINDS if ex.seq2seq else LM_KINDS
+
+
+def _weights(ex: Explorer, out) -> dict[str, torch.Tensor]:
+    """Each kind's (L, H, Q, K) float32 weights from the forward's `output_attentions`."""
+    if ex.seq2seq:
+        named = {"cross": out.cross_attentions, "encoder": out.encoder_attentions, "decoder": out.decoder_attentions}
+    else:
+        named = {"decoder": out.attentions}
+    return {kind: torch.stack(weights)[:, 0].float().contiguous() for kind, weights in named.items()}
+
+
+def _key(checked: Inputs) -> tuple:
+    return tuple(checked.ids), None if checked.decoder_ids is None else tuple(checked.decoder_ids)
+
+
+def _overview(weights: torch.Tensor) -> dict:
+    """Every head's map average-pooled to at most OVERVIEW_CELLS a side (exact where a map is smaller), as uint8
+    0..255 of the pooled weight times 255: for drawing thumbnails only; the numbers are the selected map's."""
+    layers, heads, queries, keys = weights.shape
+    size = (min(queries, OVERVIEW_CELLS), min(keys, OVERVIEW_CELLS))
+    pooled = torch.nn.functional.adaptive_avg_pool2d(weights.reshape(layers * heads, queries, keys), size)
+    cells = torch.round(pooled.clamp(0, 1) * 255).to(torch.uint8).reshape(layers, heads, *size)
+    return {**encode(cells, "uint8"), "scale": 255}
+
+
+def _maps(ex: Explorer, weights: dict[str, torch.Tensor]) -> dict:
+    """Per kind, the facts of its maps and the overview of every layer and head (no single map's weights)."""
+    maps = {}
+    for kind, (query_side, key_side, causal) in _kinds(ex).items():
+        layers, heads, queries, keys = weights[kind].shape
+        maps[kind] = {
+            "layers": layers,
+            "heads": heads,
+            "queries": queries,
+            "keys": keys,
+            "query_side": query_side,
+            "key_side": key_side,
+            "causal": causal,
+            "overview": _overview(weights[kind]),
+        }
+    return maps
+
+
+def _check_view(ex: Explorer, view, prefix: str = "") -> tuple[str, int, int]:
+    """(kind, layer, head) checked against the folder's maps; left out: the first kind, layer 0, head 0.
+    subtle: every kind of a stack has its own layer count (a translation model's encoder and decoder may differ)."""
+    view = {} if view is None else view
+    if not isinstance(view, dict):
+        raise refuse(prefix.rstrip(".") or "view", f"{prefix.rstrip('.') or 'view'} should be an object")
+    for key in view:
+        if key not in ("kind", "layer", "head"):
+            raise refuse(prefix + key, f"{prefix}{key} is not part of a view (expected: kind, layer, head)")
+    kinds = _kinds(ex)
+    kind = view.get("kind") if view.get("kind") is not None else next(iter(kinds))
+    if kind not in kinds:
+        raise refuse(prefix + "kind", f"{prefix}kind is {kind!r}; this folder has {', '.join(map(repr, kinds))}")
+    config = ex.model.config
+    if ex.seq2seq:
+        layers = config.encoder_layers if kind == "encoder" else config.decoder_layers
+        heads = config.encoder_attention_heads if kind == "encoder" else config.decoder_attention_heads
+    else:
+        layers, heads = config.num_hidden_layers, config.num_attention_heads
+    picked = []
+    for name, count in (("layer", layers), ("head", heads)):
+        value = view.get(name) if view.get(name) is not None else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+            raise refuse(prefix + name, f"{prefix}{name} is {value!r}; {kind} has {name}s 0 to {count - 1}")
+        picked.append(value)
+    return kind, picked[0], picked[1]
+
+
+def _one_map(weights: dict[str, torch.Tensor], kind: str, layer: int, head: int) -> dict:
+    return {"kind": kind, "layer": layer, "head": head, "weights": encode(weights[kind][layer, head])}
 
 
 @torch.no_grad()
-def analyze(ex: Explorer, inputs: dict, settings: dict | None = None, top: int = 10) -> dict:
+def analyze(ex: Explorer, inputs: dict, settings: dict | None = None, top: int = 10, view: dict | None = None) -> dict:
+    """Tokens, embeddings, per attention kind its facts and overview, the one map `view` names (its float32
+    weights), and the next token's distribution: one forward pass, whose attention is kept for `attention`."""
     started = time.perf_counter()
     checked, settings, top = _inputs(ex, inputs), check_settings(ex, settings), _check_top(top)
+    kind, layer, head = _check_view(ex, view, "view.")
     with ex.lock:
         out = _forward(ex, checked)
+        weights = _weights(ex, out)
+        remember(ex._attention, _key(checked), weights)
         embeddings = _embeddings(ex, checked.ids)
     result = {"tokens": [_token(ex, i) for i in checked.ids]}
     if ex.seq2seq:
         result["target_tokens"] = [_token(ex, i) for i in checked.decoder_ids]
-        result["attention"] = {
-            "encoder": _maps(out.encoder_attentions, "source", "source", False),
-            "decoder": _maps(out.decoder_attentions, "target", "target", True),
-            "cross": _maps(out.cross_attentions, "target", "source", False),
-        }
-    else:
-        result["attention"] = {"decoder": _maps(out.attentions, "text", "text", True)}
+    result["attention"] = _maps(ex, weights)
+    result["view"] = _one_map(weights, kind, layer, head)
     result["embeddings"] = embeddings
     result["next"] = _distribution(ex, _history(checked), out.logits[0, -1], settings, top)
     result["seconds"] = time.perf_counter() - started
     return result
+
+
+@torch.no_grad()
+def attention(ex: Explorer, inputs: dict, kind=None, layer=None, head=None) -> dict:
+    """One map's float32 weights, as analyze's `view`: from the attention of the last few forwards when these
+    inputs were among them (switching layer or head is then a lookup), else by the same forward analyze runs."""
+    started = time.perf_counter()
+    checked = _inputs(ex, inputs)
+    kind, layer, head = _check_view(ex, {"kind": kind, "layer": layer, "head": head})
+    with ex.lock:
+        weights = recall(ex._attention, _key(checked))
+        if weights is None:
+            weights = _weights(ex, _forward(ex, checked))
+            remember(ex._attention, _key(checked), weights)
+    return {**_one_map(weights, kind, layer, head), "seconds": time.perf_counter() - started}
 
 
 # ----- generation, step by step -----

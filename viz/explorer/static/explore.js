@@ -9,6 +9,8 @@ const state = {
   ids: null, // the ids shown, once greedy/sample appended to them (null: the prompt's text is the input)
   targetIds: null, // the same for a translation folder's target
   analysis: null,
+  map: null, // the attention map drawn: {kind, layer, head, queries, keys, weights: a Float32Array, row-major}
+  overview: null, // kind -> every head's pooled map, a Uint8Array [layer][head][q][k] (for the thumbnails only)
   query: null, // the attention row that is outlined and listed
   typedAt: null, // performance.now() of the last keystroke or control move not yet drawn
 };
@@ -18,6 +20,7 @@ const state = {
 const timers = {};
 let inflight = 0;
 let latestView = 0; // analyze and next replies older than the latest request of either are dropped
+let latestMap = 0; // likewise the map of an analyze or attention reply older than the latest map asked for
 
 function markBusy() {
   document.body.dataset.busy = inflight + Object.keys(timers).length > 0 ? "1" : "0";
@@ -128,16 +131,41 @@ function settings() {
   };
 }
 
+// The map chosen in the selects ({} before the first analysis: the server's default, the first kind's 0, 0).
+function selection() {
+  if (!kindSelect().value) return {};
+  return {kind: kindSelect().value, layer: Number($("layer").value), head: Number($("head").value)};
+}
+
 function analyze() {
   if (!state.ids && !$("prompt").value) return;
-  view("/api/analyze", {...inputs(), settings: settings()}, (data) => {
+  const mine = ++latestMap;
+  view("/api/analyze", {...inputs(), settings: settings(), view: selection()}, (data) => {
     state.analysis = data;
+    state.overview = Object.fromEntries(Object.entries(data.attention).map(([k, m]) => [k, decoded(m.overview)]));
+    if (mine === latestMap) state.map = mapOf(data.view);
     drawTokens();
     drawEmbeddings();
     drawAttentionControls();
     drawAttention();
     drawNext(data.next);
   });
+}
+
+// One map of the same inputs (a switch of kind, layer or head): the server looks it up among its last forwards.
+async function showMap() {
+  if (!state.analysis) return;
+  const mine = ++latestMap;
+  drawOverviewSelection();
+  try {
+    const data = await request("/api/attention", {...inputs(), ...selection()});
+    if (mine !== latestMap) return;
+    clearError();
+    state.map = mapOf(data);
+    drawAttention();
+  } catch (error) {
+    if (mine === latestMap) showError(error);
+  }
 }
 
 function next() {
@@ -163,6 +191,29 @@ async function generate(mode) {
   } catch (error) {
     showError(error);
   }
+}
+
+// --- the server's arrays ----------------------------------------------------------------------------------
+
+// {shape, dtype, data: base64 of little-endian bytes} as a typed array: the float32 values the model computed,
+// exactly. subtle: typed arrays use the machine's byte order, little-endian on every machine a browser runs on.
+function decoded(array) {
+  const text = atob(array.data);
+  const bytes = new Uint8Array(text.length);
+  for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+  return array.dtype === "float32" ? new Float32Array(bytes.buffer) : bytes;
+}
+
+// A [rows][columns] array as its rows (views, not copies).
+function rowsOf(array) {
+  const values = decoded(array);
+  const [rows, columns] = array.shape;
+  return Array.from({length: rows}, (_, r) => values.subarray(r * columns, (r + 1) * columns));
+}
+
+function mapOf(reply) {
+  const [queries, keys] = reply.weights.shape;
+  return {kind: reply.kind, layer: reply.layer, head: reply.head, queries, keys, weights: decoded(reply.weights)};
 }
 
 // --- small drawing helpers ---------------------------------------------------------------------------------
@@ -283,9 +334,13 @@ function mergeNode(node) {
 // --- 2. embeddings -----------------------------------------------------------------------------------------
 
 function drawEmbeddings() {
-  const e = state.analysis.embeddings;
+  const e = {...state.analysis.embeddings};
+  for (const kind of ["token", "position", "sum"]) e[kind] = rowsOf(e[kind]);
   const tokens = state.analysis.tokens;
-  const limit = Math.max(...["token", "position", "sum"].flatMap((k) => e[k].flat().map(Math.abs)));
+  let limit = 0;
+  for (const kind of ["token", "position", "sum"]) {
+    for (const row of e[kind]) for (const v of row) limit = Math.max(limit, Math.abs(v));
+  }
   const shown = e.dims < e.hidden_size ? `the first ${e.dims} of ${e.hidden_size} dimensions` : `all ${e.dims} dimensions`;
   $("embedding-note").textContent = `Rows: tokens; columns: ${shown}; one colour scale for the three ` +
     `(blue negative, red positive, ±${limit.toFixed(2)}); ‖·‖: the norm of the whole vector. ` +
@@ -319,9 +374,14 @@ function strip(kind, title, e, tokens, limit) {
 
 const kindSelect = () => $("attention-kind");
 
+// The facts of the selected kind's maps (layers, heads, sides, causal) and of the drawn map's kind.
 function currentMaps() {
   const attention = state.analysis.attention;
-  return attention[kindSelect().value] || attention.decoder;
+  return attention[kindSelect().value] || Object.values(attention)[0];
+}
+
+function drawnMaps() {
+  return state.analysis.attention[state.map.kind];
 }
 
 function fillSelect(select, values, label) {
@@ -330,16 +390,22 @@ function fillSelect(select, values, label) {
   if (values.map(String).includes(keep)) select.value = keep;
 }
 
+function fillLayersAndHeads() {
+  const maps = currentMaps();
+  fillSelect($("layer"), [...Array(maps.layers).keys()], String);
+  fillSelect($("head"), [...Array(maps.heads).keys()], String);
+}
+
 function drawAttentionControls() {
   const kinds = Object.keys(state.analysis.attention);
   fillSelect(kindSelect(), kinds, (k) => ({
     encoder: "encoder self-attention", decoder: seq2seq() ? "decoder self-attention" : "self-attention",
     cross: "cross-attention (target → source)",
   })[k] || k);
+  if (state.map && !kindSelect().value) kindSelect().value = state.map.kind;
   $("kind-label").hidden = kinds.length < 2;
-  const maps = currentMaps();
-  fillSelect($("layer"), [...Array(maps.layers).keys()], String);
-  fillSelect($("head"), [...Array(maps.heads).keys()], String);
+  fillLayersAndHeads();
+  drawOverview();
 }
 
 // The tokens along one side of a map; a decoder's rows start with its start token, which no chip shows.
@@ -353,20 +419,22 @@ function sideLabels(side, count) {
 
 let cell = 20;
 
-function currentWeights() {
-  return currentMaps().weights[Number($("layer").value)][Number($("head").value)];
+// Row q of the drawn map: the server's float32 weights.
+function weightsRow(q) {
+  return state.map.weights.subarray(q * state.map.keys, (q + 1) * state.map.keys);
 }
 
-// The map of the chosen stack, layer and head: its labels, then its cells and the hovered row.
+// The drawn map (the server's reply for a kind, layer and head): its labels, then its cells and the hovered row.
 function drawAttention() {
-  const maps = currentMaps();
-  cell = Math.max(12, Math.min(36, Math.floor(560 / Math.max(maps.queries, maps.keys))));
+  const map = state.map;
+  const maps = drawnMaps();
+  cell = Math.max(12, Math.min(36, Math.floor(560 / Math.max(map.queries, map.keys))));
   Object.assign($("attention-map").dataset, {
-    kind: kindSelect().value || "decoder", layer: $("layer").value, head: $("head").value,
-    queries: maps.queries, keys: maps.keys, querySide: maps.query_side, keySide: maps.key_side, causal: maps.causal,
+    kind: map.kind, layer: map.layer, head: map.head,
+    queries: map.queries, keys: map.keys, querySide: maps.query_side, keySide: maps.key_side, causal: maps.causal,
   });
-  const rows = sideLabels(maps.query_side, maps.queries).labels;
-  const columns = sideLabels(maps.key_side, maps.keys).labels;
+  const rows = sideLabels(maps.query_side, map.queries).labels;
+  const columns = sideLabels(maps.key_side, map.keys).labels;
   $("row-labels").replaceChildren(...rows.map((t, q) => {
     const label = el("div", {class: "row-label", "data-query-index": q, style: {height: `${cell}px`}}, readable(t));
     label.addEventListener("mouseenter", () => showRow(q));
@@ -375,26 +443,71 @@ function drawAttention() {
   $("column-labels").replaceChildren(...columns.map((t, k) =>
     el("div", {class: "col-label", "data-key-index": k, style: {width: `${cell}px`}}, readable(t))));
   $("masked-legend").hidden = !maps.causal;
-  if (state.query !== null && state.query >= maps.queries) state.query = null;
+  if (state.query !== null && state.query >= map.queries) state.query = null;
   drawCells();
   listRow();
 }
 
 function drawCells() {
-  const maps = currentMaps();
-  const weights = currentWeights();
-  const context = sizeCanvas($("attention-map"), cell * maps.keys, cell * maps.queries);
+  const map = state.map;
+  const causal = drawnMaps().causal;
+  const context = sizeCanvas($("attention-map"), cell * map.keys, cell * map.queries);
   const hatch = hatchPattern(context);
-  for (let q = 0; q < maps.queries; q++) {
-    for (let k = 0; k < maps.keys; k++) {
-      context.fillStyle = maps.causal && k > q ? hatch : weightColour(weights[q][k]);
+  for (let q = 0; q < map.queries; q++) {
+    const row = weightsRow(q);
+    for (let k = 0; k < map.keys; k++) {
+      context.fillStyle = causal && k > q ? hatch : weightColour(row[k]);
       context.fillRect(k * cell, q * cell, cell, cell);
     }
   }
   if (state.query === null) return;
   context.strokeStyle = "#e07b00";
   context.lineWidth = 2;
-  context.strokeRect(1, state.query * cell + 1, maps.keys * cell - 2, cell - 2);
+  context.strokeRect(1, state.query * cell + 1, map.keys * cell - 2, cell - 2);
+}
+
+// Every layer and head of the selected kind at once: small multiples of the pooled maps (rows layers, columns
+// heads), the selected one outlined; a click selects one. Display only: 0..255 steps of the pooled weights.
+function drawOverview() {
+  const maps = currentMaps();
+  const kind = kindSelect().value || Object.keys(state.analysis.attention)[0];
+  const cells = state.overview[kind];
+  const [layers, heads, rows, columns] = maps.overview.shape;
+  const size = Math.max(2, Math.floor(72 / Math.max(rows, columns)));
+  const grid = $("overview");
+  grid.style.gridTemplateColumns = `auto repeat(${heads}, auto)`;
+  const children = [el("div", {class: "overview-corner"}, "layer ↓ head →")];
+  for (let h = 0; h < heads; h++) children.push(el("div", {class: "overview-head"}, h));
+  for (let l = 0; l < layers; l++) {
+    children.push(el("div", {class: "overview-layer"}, l));
+    for (let h = 0; h < heads; h++) {
+      const thumb = el("canvas", {class: "thumb", "data-layer": l, "data-head": h, title: `layer ${l}, head ${h}`});
+      const context = sizeCanvas(thumb, size * columns, size * rows);
+      const offset = (l * heads + h) * rows * columns;
+      for (let q = 0; q < rows; q++) {
+        for (let k = 0; k < columns; k++) {
+          context.fillStyle = weightColour(cells[offset + q * columns + k] / maps.overview.scale);
+          context.fillRect(k * size, q * size, size, size);
+        }
+      }
+      thumb.addEventListener("click", () => {
+        $("layer").value = String(l);
+        $("head").value = String(h);
+        showMap();
+      });
+      children.push(thumb);
+    }
+  }
+  grid.replaceChildren(...children);
+  grid.dataset.kind = kind;
+  drawOverviewSelection();
+}
+
+function drawOverviewSelection() {
+  const layer = $("layer").value, head = $("head").value;
+  for (const thumb of document.querySelectorAll("#overview .thumb")) {
+    thumb.classList.toggle("selected", thumb.dataset.layer === layer && thumb.dataset.head === head);
+  }
 }
 
 function hatchPattern(context) {
@@ -413,9 +526,10 @@ function hatchPattern(context) {
 
 // A chip's token: its row, if the map's rows are that side's tokens.
 function hover(side, index) {
-  const maps = state.analysis && currentMaps();
-  if (!maps || maps.query_side !== side) return;
-  showRow(index + sideLabels(side, maps.queries).offset);
+  if (!state.map) return;
+  const maps = drawnMaps();
+  if (maps.query_side !== side) return;
+  showRow(index + sideLabels(side, state.map.queries).offset);
 }
 
 function showRow(q) {
@@ -425,7 +539,7 @@ function showRow(q) {
   listRow();
 }
 
-// Where the hovered row attends: its largest weights, and the whole row (the server's floats) for the tests.
+// Where the hovered row attends: its largest weights, and the whole row (the server's float32 values) for the tests.
 function listRow() {
   const attends = $("attends");
   document.querySelectorAll(".row-label.active").forEach((n) => n.classList.remove("active"));
@@ -435,11 +549,11 @@ function listRow() {
     attends.replaceChildren(el("p", {class: "hint"}, "Hover a token or a row to see where it attends."));
     return;
   }
-  const maps = currentMaps();
+  const maps = drawnMaps();
   const q = state.query;
-  const row = currentWeights()[q];
-  const rows = sideLabels(maps.query_side, maps.queries).labels;
-  const keys = sideLabels(maps.key_side, maps.keys).labels;
+  const row = Array.from(weightsRow(q));
+  const rows = sideLabels(maps.query_side, state.map.queries).labels;
+  const keys = sideLabels(maps.key_side, state.map.keys).labels;
   const top = row.map((w, k) => [w, k]).filter(([w]) => w > 0).sort((a, b) => b[0] - a[0] || a[1] - b[1]).slice(0, 8);
   const list = el("ol", {class: "attends-list"}, ...top.map(([w, k]) =>
     el("li", {"data-key-index": k, "data-weight": w}, el("code", {}, readable(keys[k])), ` ${w.toFixed(5)}`)));
@@ -511,17 +625,16 @@ function start() {
     $(id).addEventListener("input", () => later("next", next));
   }
   $("attention-kind").addEventListener("change", () => {
-    const maps = currentMaps();
-    fillSelect($("layer"), [...Array(maps.layers).keys()], String);
-    fillSelect($("head"), [...Array(maps.heads).keys()], String);
+    fillLayersAndHeads();
     state.query = null;
-    drawAttention();
+    drawOverview();
+    showMap();
   });
-  $("layer").addEventListener("change", drawAttention);
-  $("head").addEventListener("change", drawAttention);
+  $("layer").addEventListener("change", showMap);
+  $("head").addEventListener("change", showMap);
   $("attention-map").addEventListener("mousemove", (event) => {
     const q = Math.floor(event.offsetY / cell);
-    if (q !== state.query && q >= 0 && q < currentMaps().queries) showRow(q);
+    if (state.map && q !== state.query && q >= 0 && q < state.map.queries) showRow(q);
   });
   $("greedy").addEventListener("click", () => generate("greedy"));
   $("sample").addEventListener("click", () => generate("sample"));
