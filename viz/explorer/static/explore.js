@@ -236,19 +236,41 @@ function readable(token) {
   return token.piece.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "→");
 }
 
-// White to a deep blue for weights in [0, 1].
-function weightColour(w) {
+// White to a deep blue for weights in [0, 1], as [r, g, b].
+function weightRGB(w) {
   const t = Math.pow(Math.min(Math.max(w, 0), 1), 0.6);
   const mix = (a, b) => Math.round(a + (b - a) * t);
-  return `rgb(${mix(250, 24)},${mix(250, 58)},${mix(252, 120)})`;
+  return [mix(250, 24), mix(250, 58), mix(252, 120)];
 }
 
-// Blue for negative, white for zero, red for positive, scaled by `limit`.
-function signedColour(v, limit) {
+// Blue for negative, white for zero, red for positive, scaled by `limit`, as [r, g, b].
+function signedRGB(v, limit) {
   const t = Math.min(Math.abs(v) / (limit || 1), 1);
   const mix = (a, b) => Math.round(a + (b - a) * t);
-  return v < 0 ? `rgb(${mix(250, 40)},${mix(250, 90)},${mix(250, 170)})`
-    : `rgb(${mix(250, 180)},${mix(250, 40)},${mix(250, 40)})`;
+  return v < 0 ? [mix(250, 40), mix(250, 90), mix(250, 170)] : [mix(250, 180), mix(250, 40), mix(250, 40)];
+}
+
+// A grid of `rows` x `columns` cells of cellWidth x cellHeight pixels, cell (r, c) in colour(r, c) ([r, g, b]):
+// one pixel a cell in an image, scaled up without smoothing. subtle: a fillRect a cell, with its colour as a
+// string, took a third of a second at a full context (every map, strip and thumbnail: some 130,000 cells).
+function paintCells(context, rows, columns, cellWidth, cellHeight, colour) {
+  const image = new ImageData(columns, rows);
+  for (let r = 0; r < rows; r++) {
+    for (let c = 0; c < columns; c++) {
+      const [red, green, blue] = colour(r, c);
+      const i = 4 * (r * columns + c);
+      image.data[i] = red;
+      image.data[i + 1] = green;
+      image.data[i + 2] = blue;
+      image.data[i + 3] = 255;
+    }
+  }
+  const tile = document.createElement("canvas");
+  tile.width = columns;
+  tile.height = rows;
+  tile.getContext("2d").putImageData(image, 0, 0);
+  context.imageSmoothingEnabled = false;
+  context.drawImage(tile, 0, 0, columns * cellWidth, rows * cellHeight);
 }
 
 function sizeCanvas(canvas, width, height) {
@@ -359,10 +381,7 @@ function strip(kind, title, e, tokens, limit) {
   const cellHeight = 18;
   const canvas = el("canvas", {class: "strip", "data-kind": kind});
   const context = sizeCanvas(canvas, cellWidth * e.dims, cellHeight * rows.length);
-  rows.forEach((row, r) => row.forEach((v, c) => {
-    context.fillStyle = signedColour(v, limit);
-    context.fillRect(c * cellWidth, r * cellHeight, cellWidth, cellHeight);
-  }));
+  paintCells(context, rows.length, e.dims, cellWidth, cellHeight, (r, c) => signedRGB(rows[r][c], limit));
   const labels = el("div", {class: "strip-labels"}, ...tokens.map((t) => el("div", {}, readable(t))));
   const norms = el("div", {class: "strip-norms"}, ...e.norms[kind].map((n) =>
     el("div", {"data-norm": n}, `‖·‖ ${n.toFixed(3)}`)));
@@ -452,13 +471,16 @@ function drawCells() {
   const map = state.map;
   const causal = drawnMaps().causal;
   const context = sizeCanvas($("attention-map"), cell * map.keys, cell * map.queries);
-  const hatch = hatchPattern(context);
-  for (let q = 0; q < map.queries; q++) {
-    const row = weightsRow(q);
-    for (let k = 0; k < map.keys; k++) {
-      context.fillStyle = causal && k > q ? hatch : weightColour(row[k]);
-      context.fillRect(k * cell, q * cell, cell, cell);
+  const weights = map.weights;
+  paintCells(context, map.queries, map.keys, cell, cell, (q, k) => weightRGB(weights[q * map.keys + k]));
+  if (causal) {
+    // the masked cells (a key after the query), hatched over: one path of a run of cells a row
+    context.beginPath();
+    for (let q = 0; q + 1 < map.keys && q < map.queries; q++) {
+      context.rect((q + 1) * cell, q * cell, (map.keys - q - 1) * cell, cell);
     }
+    context.fillStyle = hatchPattern(context);
+    context.fill();
   }
   if (state.query === null) return;
   context.strokeStyle = "#e07b00";
@@ -484,12 +506,8 @@ function drawOverview() {
       const thumb = el("canvas", {class: "thumb", "data-layer": l, "data-head": h, title: `layer ${l}, head ${h}`});
       const context = sizeCanvas(thumb, size * columns, size * rows);
       const offset = (l * heads + h) * rows * columns;
-      for (let q = 0; q < rows; q++) {
-        for (let k = 0; k < columns; k++) {
-          context.fillStyle = weightColour(cells[offset + q * columns + k] / maps.overview.scale);
-          context.fillRect(k * size, q * size, size, size);
-        }
-      }
+      const scale = maps.overview.scale;
+      paintCells(context, rows, columns, size, size, (q, k) => weightRGB(cells[offset + q * columns + k] / scale));
       thumb.addEventListener("click", () => {
         $("layer").value = String(l);
         $("head").value = String(h);
