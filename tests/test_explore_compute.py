@@ -346,6 +346,20 @@ def test_a_switch_is_a_lookup_and_a_miss_recomputes(which, request):
     assert forwards.count == 0  # and remembered again
 
 
+def test_the_cache_of_forwards_is_bounded_in_bytes_and_keeps_the_latest(lm, monkeypatch):
+    from deriv_lm.viz.explorer import compute
+
+    monkeypatch.setattr(compute, "CACHED_BYTES", 1)  # less than any forward's maps: only the latest is kept
+    analyze(lm, {"text": "one"})
+    analyze(lm, {"text": LM_TEXT})
+    with Forwards(lm.model) as forwards:
+        attention(lm, {"text": LM_TEXT}, "decoder", 1, 1)
+    assert forwards.count == 0 and len(lm._attention) == 1  # the latest, though over the budget
+    with Forwards(lm.model) as forwards:
+        attention(lm, {"text": "one"}, "decoder", 1, 1)
+    assert forwards.count == 1  # dropped for the bytes, not the count
+
+
 def test_a_translation_has_both_stacks_and_the_cross_attention(mt):
     # no target: the model's own greedy translation, as attention_maps makes it, without the <eos> that closed it
     got = analyze(mt, {"text": SOURCE})

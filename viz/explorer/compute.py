@@ -32,6 +32,9 @@ MAX_STEPS = 64
 MAX_TOP = 100
 SHOWN_DIMS = 64
 CACHED_FORWARDS = 4  # the attention of the last few forwards, so that switching layer or head is a lookup
+# ... and at most this many bytes of it, the latest forward's always kept (GPT-2's 12 x 12 heads at its context of
+# 1024 are 604 MB a forward; the small preset's 6 x 6 at 256, 9 MB)
+CACHED_BYTES = 1024 * 1024 * 1024
 OVERVIEW_CELLS = 24  # each head's thumbnail: its map average-pooled to at most this many cells a side
 PENALTY_LIMIT = 2.0
 MAX_TEMPERATURE = 100.0
@@ -214,11 +217,12 @@ class Inputs:
     decoder_ids: list[int] | None = None
 
 
-def remember(memo: OrderedDict, key, value) -> None:
-    """`memo[key] = value` as its most recent entry, the oldest dropped past CACHED_FORWARDS."""
+def remember(memo: OrderedDict, key, value, size=lambda value: 0) -> None:
+    """`memo[key] = value` as its most recent entry, the oldest dropped past CACHED_FORWARDS entries or past
+    CACHED_BYTES in all (`size` of each value), the newest always kept."""
     memo[key] = value
     memo.move_to_end(key)
-    while len(memo) > CACHED_FORWARDS:
+    while len(memo) > CACHED_FORWARDS or (len(memo) > 1 and sum(map(size, memo.values())) > CACHED_BYTES):
         memo.popitem(last=False)
 
 
@@ -541,6 +545,13 @@ def _key(checked: Inputs) -> tuple:
     return tuple(checked.ids), None if checked.decoder_ids is None else tuple(checked.decoder_ids)
 
 
+def _keep_weights(ex: Explorer, checked: Inputs, weights: dict[str, torch.Tensor]) -> None:
+    def size(kinds: dict[str, torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in kinds.values())
+
+    remember(ex._attention, _key(checked), weights, size)
+
+
 def _overview(weights: torch.Tensor) -> dict:
     """Every head's map average-pooled to at most OVERVIEW_CELLS a side (exact where a map is smaller), as uint8
     0..255 of the pooled weight times 255: for drawing thumbnails only; the numbers are the selected map's."""
@@ -611,7 +622,7 @@ def analyze(ex: Explorer, inputs: dict, settings: dict | None = None, top: int =
     with ex.lock:
         out = _forward(ex, checked)
         weights = _weights(ex, out)
-        remember(ex._attention, _key(checked), weights)
+        _keep_weights(ex, checked, weights)
         embeddings = _embeddings(ex, checked.ids)
     result = {"tokens": [_token(ex, i) for i in checked.ids]}
     if ex.seq2seq:
@@ -635,7 +646,7 @@ def attention(ex: Explorer, inputs: dict, kind=None, layer=None, head=None) -> d
         weights = recall(ex._attention, _key(checked))
         if weights is None:
             weights = _weights(ex, _forward(ex, checked))
-            remember(ex._attention, _key(checked), weights)
+            _keep_weights(ex, checked, weights)
     return {**_one_map(weights, kind, layer, head), "seconds": time.perf_counter() - started}
 
 
