@@ -6,8 +6,9 @@ For each folder, `deriv explore` starts in a child process and the page opens in
 driven through Selenium: `viz/explorer/browser.py`). Then, for a short prompt and for one that fills the context
 but for the characters to come, a character is typed `repeats` times and the page's own clock is read once the
 reply is drawn (`#status[data-keystroke-ms]`: the last keystroke, the page's 150 ms pause for more typing, the
-round trip, and the drawing of the tokens, embeddings, every attention map and the distribution); likewise one
-step of the temperature control, which recomputes the distribution only. Prints medians, with the server's own
+round trip, and the drawing of the tokens, embeddings, one attention map with the overview of every head, and
+the distribution); likewise one step of the temperature control, which recomputes the distribution only, and a
+switch of head (one map, looked up among the server's last forwards). Prints medians, with the server's own
 compute time and the size of the page's files and of the analyze reply.
 """
 
@@ -99,6 +100,9 @@ def measure_folder(folder: str, repeats: int) -> list[dict]:
                 tokens = len(driver.find_elements(By.CSS_SELECTOR, "#token-chips .chip"))
                 rows.append(row(folder, f"type a character ({name}, {tokens} tokens)", typed))
                 rows[-1]["reply_bytes"] = reply_bytes(server.url, text)
+                head = driver.find_element(By.ID, "head")  # keys on a focused select change it, as a person's do
+                switched = [type_and_time(driver, head, key) for key in (Keys.ARROW_DOWN, Keys.ARROW_UP) * repeats]
+                rows.append(row(folder, f"switch the head ({name})", switched[:repeats]))
                 slider = driver.find_element(By.ID, "temperature")
                 moved = [type_and_time(driver, slider, key) for key in (Keys.ARROW_LEFT, Keys.ARROW_RIGHT) * repeats]
                 rows.append(row(folder, f"move the temperature ({name})", moved[:repeats]))

@@ -163,6 +163,7 @@ async function showMap() {
     clearError();
     state.map = mapOf(data);
     drawAttention();
+    keystrokeDrawn();
   } catch (error) {
     if (mine === latestMap) showError(error);
   }
@@ -648,6 +649,7 @@ function start() {
     drawOverview();
     showMap();
   });
+  for (const id of ["attention-kind", "layer", "head"]) $(id).addEventListener("change", typed);
   $("layer").addEventListener("change", showMap);
   $("head").addEventListener("change", showMap);
   $("attention-map").addEventListener("mousemove", (event) => {
