@@ -74,6 +74,11 @@ INSTEAD: dict[str, tuple[str, str]] = {
     ),
     "deriv serve runs/deriv-tiny --continuous-batching": ("serve", "a server in a child process, on a free port"),
     "curl": ("curl", "the same request, to that server, with the standard library's HTTP client"),
+    "deriv explore runs/deriv-tiny": (
+        "explore",
+        "a server in a child process, on a free port, asked for its page and one analysis (tests/"
+        "test_explore_browser.py drives the page in Chromium)",
+    ),
     "deriv import gpt2 --out runs/gpt2-deriv": ("gpt2", "network: a tiny local GPT-2 checkpoint instead of `gpt2`"),
     "deriv import Helsinki-NLP/opus-mt-en-de --out runs/opus-en-de": (
         "marian",
@@ -83,7 +88,7 @@ INSTEAD: dict[str, tuple[str, str]] = {
 # The one line run through the installed `deriv` console script, in a child process.
 CONSOLE_SCRIPT_LINE = "deriv generate"
 # The extra each command needs; without it the line is skipped, saying so.
-EXTRAS = {"deriv serve": "fastapi", "curl": "fastapi", "deriv quantize": "torchao"}
+EXTRAS = {"deriv serve": "fastapi", "curl": "fastapi", "deriv explore": "fastapi", "deriv quantize": "torchao"}
 
 
 def readme_commands(text: str) -> list[str]:
@@ -197,6 +202,22 @@ def curl(line: str, server) -> None:
         assert server.post(path, body)["choices"][0]["message"]["content"] is not None
 
 
+def explore(folder: str, tmp_path: Path) -> None:
+    """`deriv explore FOLDER` in a child process: the page is served and the folder's model analyzes a text."""
+    import json
+
+    from deriv_lm.serve import ServerProcess
+
+    server = ServerProcess(folder, command="explore", log=tmp_path / "explore.log")
+    try:
+        status, _, headers = server.send("GET", "/")
+        assert status == 200 and headers["content-type"].startswith("text/html")
+        status, reply, _ = server.send("POST", "/api/analyze", json.dumps({"text": "Return the"}).encode())
+        assert status == 200 and reply["tokens"] and reply["next"]["candidates"], reply
+    finally:
+        assert server.stop() == 0, server.log_tail()
+
+
 def missing_extra(line: str) -> str | None:
     import importlib.util
 
@@ -222,6 +243,8 @@ def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch, capsys, offline,
                 subprocess.run(shell, shell=True, check=True, cwd=tmp_path, timeout=120)
             elif what == "serve":
                 server = ServerProcess(words[2], *words[3:], log=tmp_path / "serve.log")
+            elif what == "explore":
+                explore(words[2], tmp_path)
             elif what == "curl":
                 assert server is not None, "the curl line comes before a deriv serve line"
                 curl(line, server)
