@@ -385,3 +385,50 @@ def test_a_prompt_past_the_context_is_one_message_and_the_page_recovers(chromium
     assert chromium.find_elements(By.CSS_SELECTOR, "#error p") == []
     assert [c["id"] for c in chips(chromium)] == lm_tokenizer(PROMPT, add_special_tokens=False).input_ids
     assert candidates(chromium)
+
+
+@pytest.fixture(scope="module")
+def made_folders(tmp_path_factory):
+    """The other folders a user opens, made as a user makes them: a GPT-2 checkpoint through `deriv import` (learned
+    positions, pre-norm, no embedding scale) and the numbers model through `deriv quantize` (int8; the quantize
+    extra, which the tested sets install)."""
+    import importlib.util
+
+    from test_tour import tiny_gpt2
+
+    from deriv_lm.cli import main
+
+    root = tmp_path_factory.mktemp("folders")
+    folders = {"gpt2": root / "gpt2-deriv"}
+    assert (
+        main(
+            ["import", tiny_gpt2(root / "hub-gpt2", AutoTokenizer.from_pretrained(LM)), "--out", str(folders["gpt2"])]
+        )
+        == 0
+    )
+    if importlib.util.find_spec("torchao") is not None:
+        folders["int8"] = root / "numbers-int8"
+        assert main(["quantize", LM, "--out", str(folders["int8"])]) == 0
+    return folders
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "int8"])
+def test_an_imported_gpt2_and_an_int8_folder_open_on_the_page(kind, chromium, made_folders, tmp_path):
+    if kind not in made_folders:
+        pytest.skip("torchao is not installed (the quantize extra)")
+    folder = str(made_folders[kind])
+    server = ServerProcess(folder, command="explore", log=tmp_path / "explore.log")
+    try:
+        open_page(chromium, server)
+        replace_text(chromium, "prompt", PROMPT)
+        explorer = compute.Explorer.open(folder)
+        expected = compute.next_token(explorer, {"text": PROMPT}, settings_on_page(chromium))
+        assert [c["id"] for c in chips(chromium)] == explorer.tokenizer(PROMPT, add_special_tokens=False).input_ids
+        assert candidates(chromium) == [(c["id"], c["probability"]) for c in expected["candidates"]]
+        equation = chromium.find_element(By.ID, "embedding-equation").text
+        assert equation == ("x = E[t] + P[pos]" if kind == "gpt2" else "x = √d·E[t] + PE(pos)")
+        assert ("(quantized)" in chromium.find_element(By.ID, "model-facts").text) == (kind == "int8")
+        assert chromium.find_element(By.ID, "error").text == ""
+        assert console_errors(chromium) == []
+    finally:
+        assert server.stop() == 0, server.log_tail()
