@@ -336,23 +336,8 @@ class ServerProcess:
     def send(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         """Any request, as raw bytes: (HTTP status, the reply's JSON or None, its headers). Errors are returned,
         not raised, for the tests that send what a careless or hostile client would."""
-        import http.client
-        import json
-
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
-        try:
-            connection.request(
-                method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
-            )
-            reply = connection.getresponse()
-            raw = reply.read()
-        finally:
-            connection.close()
-        try:
-            payload = json.loads(raw) if raw else None
-        except ValueError:
-            payload = None
-        return reply.status, payload, dict(reply.getheaders())
+        status, payload, reply_headers, _ = send_request(self.port, method, path, body, headers)
+        return status, payload, reply_headers
 
     def post(self, path: str, body: dict) -> dict:
         import json
@@ -390,3 +375,23 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
+
+
+def send_request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """One request to a server on this machine's loopback `port`, as raw bytes: (HTTP status, the reply's JSON or
+    None, its headers, its raw bytes). Errors are returned, not raised."""
+    import http.client
+    import json
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        reply = connection.getresponse()
+        raw = reply.read()
+    finally:
+        connection.close()
+    try:
+        payload = json.loads(raw) if raw else None
+    except ValueError:
+        payload = None
+    return reply.status, payload, dict(reply.getheaders()), raw

@@ -10,7 +10,6 @@ must be served. The command's refusals are one `deriv: error:` line and exit sta
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_error
 
-from deriv_lm.serve import ServerProcess
+from deriv_lm.serve import ServerProcess, send_request
 
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
@@ -42,18 +41,8 @@ def send(port: int, method: str, path: str, body: bytes | dict | None = None, he
     """(status, the reply's JSON or None, its headers with lower-case names, its raw bytes)."""
     if isinstance(body, dict):
         body = json.dumps(body).encode()
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        reply = connection.getresponse()
-        raw = reply.read()
-    finally:
-        connection.close()
-    try:
-        payload = json.loads(raw) if raw else None
-    except ValueError:
-        payload = None
-    return reply.status, payload, {k.lower(): v for k, v in reply.getheaders()}, raw
+    status, payload, reply_headers, raw = send_request(port, method, path, body, headers)
+    return status, payload, {k.lower(): v for k, v in reply_headers.items()}, raw
 
 
 @pytest.fixture(scope="module")

@@ -114,10 +114,10 @@ class Sampling(BaseModel):
             return None
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list):
-            raise ValueError(f"give a string or a list of strings, not {_json_type(stop)}")
+            raise ValueError(f"give a string or a list of strings, not {json_type(stop)}")
         for i, text in enumerate(stops):
             if not isinstance(text, str):
-                raise _field_error(str(i), f"a stop sequence is a string, not {_json_type(text)}")
+                raise _field_error(str(i), f"a stop sequence is a string, not {json_type(text)}")
         if stops is not None and not 1 <= len(stops) <= MAX_STOPS:
             raise ValueError(f"give 1 to {MAX_STOPS} stop sequences")
         if stops is not None and any(s == "" for s in stops):
@@ -164,7 +164,7 @@ class Message(BaseModel):
         if isinstance(content, list):
             for i, part in enumerate(content):
                 if not isinstance(part, dict):
-                    raise _field_error(str(i), f"a content part is an object, not {_json_type(part)}")
+                    raise _field_error(str(i), f"a content part is an object, not {json_type(part)}")
                 kind = part.get("type")
                 if kind != "text":
                     raise _field_error(f"{i}.type", f"only text parts are supported, not {kind!r}")
@@ -228,7 +228,7 @@ def _field_error(param: str, message: str) -> RequestError:
 def parse(kind: type[Sampling], body: Any) -> Sampling:
     """The request, validated; RequestError (400) naming the first bad field otherwise."""
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, not {_json_type(body)}")
+        raise RequestError(f"the request body must be a JSON object, not {json_type(body)}")
     try:
         return kind.model_validate(body)
     except RequestError:
@@ -240,7 +240,7 @@ def parse(kind: type[Sampling], body: Any) -> Sampling:
 def _first_error(error: ValidationError) -> RequestError:
     """pydantic's first error as the OpenAI error: `param` the dotted path, a message without pydantic's URL."""
     first = error.errors(include_url=False)[0]
-    path = [str(p) for p in first["loc"] if not _is_branch(p)]
+    path = [str(p) for p in first["loc"] if not is_branch(p)]
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, RequestError):  # raised by a validator, naming the field (below this one, if nested)
         param = ".".join(p for p in [*path, cause.param] if p)
@@ -252,18 +252,22 @@ def _first_error(error: ValidationError) -> RequestError:
     elif first["type"] == "missing":
         message = "this field is required"
     elif first["type"].endswith("_type"):
-        message = f"{message}, not {_json_type(first['input'])}"
+        message = f"{message}, not {json_type(first['input'])}"
     elif first["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"):
         message = f"{message}, got {first['input']!r}"[:300]
     return RequestError(f"{param}: {message}" if param else message, param=param)
 
 
-def _is_branch(part) -> bool:
-    """A union branch pydantic puts in an error's path (`str`, `list[TextPart]`), not a field name."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper())
+def is_branch(part) -> bool:
+    """A union branch pydantic puts in an error's path (`str`, `list[TextPart]`, `nullable[int]`), not a field
+    name (the explorer's bodies are read with it too)."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "none") or "[" in part or part[:1].isupper()
+    )
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """What a JSON value is, for a message: "null", "a boolean", "an array", a short string as itself."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -271,7 +275,7 @@ def _json_type(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "a number" if math.isfinite(value) else f"{value}"
     if isinstance(value, str):
-        return "a string"
+        return f"the string {value!r}" if len(value) <= 20 else "a string"
     if isinstance(value, list):
         return "an array"
     return "an object" if isinstance(value, dict) else type(value).__name__

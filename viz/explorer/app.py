@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -33,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from ...errors import UsageError
 from ...serving.app import read_json
-from ...serving.protocol import RequestError
+from ...serving.protocol import RequestError, is_branch, json_type
 from . import compute
 from .compute import MAX_STEPS, MAX_TEMPERATURE, MAX_TOP, PENALTY_LIMIT
 
@@ -139,7 +138,7 @@ class MergesBody(BaseModel):
 def parse(schema: type[BaseModel], body: Any) -> Any:
     """The body, validated against `schema`; RequestError (400) naming the first bad field otherwise."""
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, not {_json_type(body)}")
+        raise RequestError(f"the request body must be a JSON object, not {json_type(body)}")
     try:
         return schema.model_validate(body)
     except ValidationError as error:
@@ -148,7 +147,7 @@ def parse(schema: type[BaseModel], body: Any) -> Any:
 
 def _first_error(error: ValidationError, schema: type[BaseModel]) -> RequestError:
     first = error.errors(include_url=False)[0]
-    field = ".".join(str(p) for p in first["loc"] if not _is_branch(p)) or None
+    field = ".".join(str(p) for p in first["loc"] if not is_branch(p)) or None
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, RequestError):  # raised by a validator, naming its own field
         field = cause.param or field
@@ -160,29 +159,10 @@ def _first_error(error: ValidationError, schema: type[BaseModel]) -> RequestErro
     elif first["type"] == "missing":
         message = "this field is required"
     elif first["type"].endswith("_type") or first["type"] in ("literal_error", "finite_number"):
-        message = f"{first['msg']}, not {_json_type(first['input'])}"
+        message = f"{first['msg']}, not {json_type(first['input'])}"
     else:
         message = f"{first['msg']}, got {first['input']!r}"[:300]
     return RequestError(f"{field}: {message}" if field else message, param=field)
-
-
-def _is_branch(part) -> bool:
-    """A union branch pydantic puts in an error's path (`int`, `list[int]`, `nullable[...]`), not a field name."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number" if math.isfinite(value) else str(value)
-    if isinstance(value, str):
-        return f"the string {value!r}" if len(value) <= 20 else "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object" if isinstance(value, dict) else type(value).__name__
 
 
 # ---- the app -----------------------------------------------------------------------------------------------------
