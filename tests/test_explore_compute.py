@@ -239,8 +239,10 @@ def test_the_cache_formula_is_the_real_caches_bytes(which, request):
     assert last["cache_bytes"] == own + cross == got["cache"]["final_bytes"]
     assert got["cache"]["cross_bytes"] == cross
     assert (cross > 0) == ex.seq2seq
-    # one more position, one more row of keys and values per layer
-    assert got["steps"][1]["cache_bytes"] - got["steps"][0]["cache_bytes"] == got["cache"]["per_token_bytes"]
+    # every step's row, not only the last: the real cache after k steps (a run of k) is row k's size
+    for k in (1, 2):
+        shorter = generate_steps(ex, inputs, {}, mode="greedy", steps=k)
+        assert shorter["cache"]["final_bytes"] == got["steps"][k - 1]["cache_bytes"]
 
 
 def every_map(maps):

@@ -99,6 +99,19 @@ ROWS = [
     ("mode beam", "POST", "/api/generate", {**GOOD, "mode": "beam"}, 400, "mode", "'greedy' or 'sample'"),
     ("temperature 0", "POST", "/api/next", {**GOOD, "settings": {"temperature": 0}}, 400, "settings.temperature", ""),
     (
+        "temperature 1e-39",  # logits / T overflow to inf: the softmax would not be a number
+        "POST",
+        "/api/next",
+        {**GOOD, "settings": {"temperature": 1e-39}},
+        400,
+        "settings.temperature",
+        "greater than or equal to 0.01",
+    ),
+    ("a lone surrogate", "POST", "/api/analyze", b'{"text": "5 \\ud800"}', 400, "text", "lone surrogate"),
+    ("view on next", "POST", "/api/next", {**GOOD, "view": {"layer": 0}}, 400, "view", "unknown field"),
+    ("a text/plain body", "POST", "/api/generate", GOOD, 415, None, "send it as Content-Type: application/json"),
+    ("a form body", "POST", "/api/analyze", GOOD, 415, None, "send it as Content-Type: application/json"),
+    (
         "temperature nan",
         "POST",
         "/api/next",
@@ -221,11 +234,16 @@ def check_still_serving(server) -> None:
     check_headers(headers, "/api/analyze")
 
 
+CONTENT_TYPES = {"a text/plain body": "text/plain", "a form body": "application/x-www-form-urlencoded"}
+
+
 @pytest.mark.parametrize("name, method, path, body, status, field, message", ROWS, ids=[row[0] for row in ROWS])
 def test_a_hostile_request_is_refused_in_one_message_and_the_server_goes_on(
     server, name, method, path, body, status, field, message
 ):
-    headers = {"Host": HOSTS[name].format(port=server.port)} if name in HOSTS else None
+    headers = {"Host": HOSTS[name].format(port=server.port)} if name in HOSTS else {}
+    if name in CONTENT_TYPES:  # what a page on another site may send without a CORS preflight
+        headers["Content-Type"] = CONTENT_TYPES[name]
     got, payload, reply_headers, raw = send(server.port, method, path, body, headers)
     assert got == status, payload
     assert set(payload) == {"error"} and set(payload["error"]) == {"message", "field"}, payload

@@ -153,3 +153,25 @@ def test_an_exported_opus_mt_names_marians_tokenizer_and_gives_the_same_ids(opus
     assert tokenizer(ENGLISH[9]).input_ids == source(ENGLISH[9]).input_ids
     assert tokenizer(text_target=GERMAN[9]).input_ids == source(text_target=GERMAN[9]).input_ids
     assert MarianMTModel.from_pretrained(out).config.vocab_size == len(tokenizer)
+
+
+def test_the_explorer_opens_an_imported_opus_mt(imported):
+    """`deriv explore` on an OPUS-MT import: a SentencePiece tokenizer with no tokenizer.json (no merges to show), a
+    target encoded with the target side's model, and steps through generate() as its own greedy decoding gives."""
+    from transformers import AutoTokenizer
+
+    from deriv_lm.viz.explorer import compute
+
+    ex = compute.Explorer.open(str(imported))
+    tokenizer = AutoTokenizer.from_pretrained(imported)
+    assert compute.info(ex)["tokenizer"] == "MarianTokenizer"
+    got = compute.analyze(ex, {"text": ENGLISH[3], "target": GERMAN[3]})
+    target = tokenizer(text_target=GERMAN[3], add_special_tokens=False).input_ids
+    assert [t["id"] for t in got["target_tokens"]] == [ex.model.config.decoder_start_token_id, *target]
+    assert [t["id"] for t in got["tokens"]] == tokenizer(ENGLISH[3], add_special_tokens=False).input_ids
+    assert compute.merges(ex, got["tokens"][0]["id"])["kind"] == "unknown"
+    steps = compute.generate_steps(ex, {"text": ENGLISH[3], "target_ids": []}, mode="greedy", steps=2)
+    source = torch.tensor([tokenizer(ENGLISH[3], add_special_tokens=False).input_ids])
+    start = torch.tensor([[ex.model.config.decoder_start_token_id]])
+    reference = ex.model.generate(source, decoder_input_ids=start, do_sample=False, num_beams=1, max_new_tokens=2)
+    assert steps["ids"] == reference[0, 1:].tolist()

@@ -34,7 +34,7 @@ from ...errors import UsageError
 from ...serving.app import read_json
 from ...serving.protocol import RequestError, is_branch, json_type
 from . import compute
-from .compute import MAX_STEPS, MAX_TEMPERATURE, MAX_TOP, PENALTY_LIMIT
+from .compute import MAX_STEPS, MAX_TEMPERATURE, MAX_TOP, MIN_TEMPERATURE, PENALTY_LIMIT
 
 
 logger = logging.getLogger("deriv_lm.explore")
@@ -63,7 +63,7 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    temperature: Annotated[float, Field(gt=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
+    temperature: Annotated[float, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     presence_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)] | None = None
@@ -112,8 +112,11 @@ class View(BaseModel):
     head: Annotated[int, Field(ge=0)] | None = None
 
 
-class AnalyzeBody(Inputs):
+class NextBody(Inputs):
     top: Annotated[int, Field(ge=1, le=MAX_TOP)] = 10
+
+
+class AnalyzeBody(NextBody):
     view: View = Field(default_factory=View)
 
 
@@ -209,6 +212,15 @@ def build_app(ex, host: str, port: int, max_body_bytes: int):
             raise RequestError(INTERNAL, status=500) from None
 
     async def body_of(request: Request, schema: type[BaseModel]):
+        # subtle: a page on another site may POST text/plain or a form to 127.0.0.1 without asking (a "simple"
+        # request: no CORS preflight); it cannot read the reply, but it could keep the model busy. JSON it cannot
+        # send without the preflight this server never grants.
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise RequestError(
+                f"the body is sent as {kind or 'no Content-Type'}; send it as Content-Type: application/json",
+                status=415,
+            )
         return parse(schema, await read_json(request, max_body_bytes))
 
     @app.get("/")
@@ -242,7 +254,7 @@ def build_app(ex, host: str, port: int, max_body_bytes: int):
 
     @app.post("/api/next")
     async def next_token(request: Request):
-        body = await body_of(request, AnalyzeBody)
+        body = await body_of(request, NextBody)
         return await model_call(compute.next_token, body.inputs(), body.sampling(), top=body.top)
 
     @app.post("/api/generate")

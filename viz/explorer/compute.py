@@ -38,6 +38,8 @@ CACHED_BYTES = 1024 * 1024 * 1024
 OVERVIEW_CELLS = 24  # each head's thumbnail: its map average-pooled to at most this many cells a side
 PENALTY_LIMIT = 2.0
 MAX_TEMPERATURE = 100.0
+# Below this, logits of float32 models divided by T overflow to inf and the softmax is not a number (1e-39 does).
+MIN_TEMPERATURE = 0.01
 SETTINGS = ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty")
 
 
@@ -96,8 +98,11 @@ class Explorer:
         return getattr(self.model.config, "decoder_vocab_size", None) or self.vocab_size
 
     def backend(self) -> dict:
+        """The tokenizer's `tokenizers` description (tokenizer.json), or {} for a tokenizer without one (an
+        imported OPUS-MT keeps its SentencePiece `MarianTokenizer`)."""
         if self._backend is None:
-            self._backend = json.loads(self.tokenizer.backend_tokenizer.to_str())
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            self._backend = json.loads(backend.to_str()) if backend is not None else {}
         return self._backend
 
 
@@ -139,7 +144,7 @@ def _stack_facts(ex: Explorer) -> tuple[int, int]:
 
 
 def _tokenizer_kind(ex: Explorer) -> str:
-    return ex.backend()["model"].get("type") or type(ex.tokenizer).__name__
+    return ex.backend().get("model", {}).get("type") or type(ex.tokenizer).__name__
 
 
 def info(ex: Explorer) -> dict:
@@ -187,8 +192,16 @@ def _check_ids(ids, field_name: str, vocab: int) -> list[int]:
 
 
 def _encode(ex: Explorer, text, field_name: str) -> list[int]:
+    """The ids of a source text, or of a target one (`field_name` "target": through `text_target`, so a tokenizer
+    with a target side of its own, OPUS-MT's, uses it)."""
     if not isinstance(text, str):
         raise refuse(field_name, f"{field_name} should be a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON, but no text a tokenizer takes
+        raise refuse(field_name, f"{field_name} holds a lone surrogate, not a character (invalid UTF-16)") from None
+    if field_name == "target":
+        return ex.tokenizer(text_target=text, add_special_tokens=False).input_ids
     return ex.tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -282,6 +295,8 @@ def _greedy_translation(ex: Explorer, ids: list[int]) -> list[int]:
 def _token(ex: Explorer, token_id: int) -> dict:
     raw = ex.tokenizer.convert_ids_to_tokens(token_id)
     special = token_id in set(ex.tokenizer.all_special_ids)
+    if raw is None:  # a row of the embedding past the tokenizer's vocabulary (padded to a round size)
+        raw, special = f"<id {token_id}>", True
     return {"id": token_id, "piece": _piece(ex, raw, special), "raw": raw, "special": special}
 
 
@@ -331,7 +346,9 @@ def check_settings(ex: Explorer, settings: dict | None) -> dict:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise refuse("top_k", f"top_k is {top_k!r}; it should be a whole number >= 0 (0 keeps every token)")
     return {
-        "temperature": float(_number(settings, "temperature", defaults["temperature"], 0, MAX_TEMPERATURE, True)),
+        "temperature": float(
+            _number(settings, "temperature", defaults["temperature"], MIN_TEMPERATURE, MAX_TEMPERATURE)
+        ),
         "top_k": top_k,
         "top_p": float(_number(settings, "top_p", defaults["top_p"], 0, 1, True)),
         "presence_penalty": float(_number(settings, "presence_penalty", 0.0, -PENALTY_LIMIT, PENALTY_LIMIT)),
@@ -617,8 +634,9 @@ def analyze(ex: Explorer, inputs: dict, settings: dict | None = None, top: int =
     """Tokens, embeddings, per attention kind its facts and overview, the one map `view` names (its float32
     weights), and the next token's distribution: one forward pass, whose attention is kept for `attention`."""
     started = time.perf_counter()
-    checked, settings, top = _inputs(ex, inputs), check_settings(ex, settings), _check_top(top)
+    settings, top = check_settings(ex, settings), _check_top(top)
     kind, layer, head = _check_view(ex, view, "view.")
+    checked = _inputs(ex, inputs)  # last: a translation model's missing target is a greedy translation
     with ex.lock:
         out = _forward(ex, checked)
         weights = _weights(ex, out)
@@ -665,15 +683,18 @@ class _StepClock:
         return scores
 
 
-def _check_steps(ex: Explorer, checked: Inputs, mode, steps, seed) -> None:
+def _check_steps(mode, steps, seed) -> None:
     if mode not in ("greedy", "sample"):
         raise refuse("mode", f"mode is {mode!r}; it should be 'greedy' or 'sample'")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise refuse("seed", f"seed is {seed!r}; it should be a whole number from 0 to {2**32 - 1}")
-    used = len(_history(checked))
-    room = ex.context - used
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
         raise refuse("steps", f"steps is {steps!r}; it should be a whole number from 1 to {MAX_STEPS}")
+
+
+def _check_room(ex: Explorer, checked: Inputs, steps: int) -> None:
+    used = len(_history(checked))
+    room = ex.context - used
     if steps > room:
         raise refuse(
             "steps",
@@ -726,6 +747,11 @@ def _run_generate(ex: Explorer, checked: Inputs, settings: dict, mode: str, seed
         "return_dict_in_generate": True,
         "logits_processor": [*_user_processors(settings), clock],
         "attention_mask": torch.ones_like(source),
+        # subtle: the processors tied to a length are off, as in next_token: OPUS-MT's forced_eos_token_id would
+        # force </s> at the last of `steps` (so one step at a time would always end the translation)
+        "forced_eos_token_id": None,
+        "min_length": 0,
+        "min_new_tokens": None,
     }
     if mode == "sample":
         options.update(
@@ -745,8 +771,10 @@ def generate_steps(
 ) -> dict:
     """A few tokens through generate() (its cache, its processors), with each step's token, its probability
     under generate's processed scores, the cache's size then, and the time of the prefill and of each decode."""
-    checked, settings = _inputs(ex, inputs), check_settings(ex, settings)
-    _check_steps(ex, checked, mode, steps, seed)
+    settings = check_settings(ex, settings)
+    _check_steps(mode, steps, seed)
+    checked = _inputs(ex, inputs)  # after the cheap checks: a translation model's missing target is a translation
+    _check_room(ex, checked, steps)
     clock = _StepClock()
     with ex.lock:
         started = time.perf_counter()
@@ -820,7 +848,7 @@ def merges(ex: Explorer, token_id) -> dict:
     token = _token(ex, token_id)
     result = {"id": token_id, "piece": token["piece"], "raw": token["raw"]}
     leaf = {"raw": token["raw"], "piece": token["piece"], "rank": None, "left": None, "right": None}
-    model_type = ex.backend()["model"].get("type")
+    model_type = ex.backend().get("model", {}).get("type")
     if token["special"]:
         return {**result, "kind": "special", "tree": leaf}
     if model_type != "BPE":

@@ -19,8 +19,9 @@ const state = {
 
 const timers = {};
 let inflight = 0;
-let latestView = 0; // analyze and next replies older than the latest request of either are dropped
-let latestMap = 0; // likewise the map of an analyze or attention reply older than the latest map asked for
+// How many of each request were sent, and how often the text changed: a reply made stale by a later one is dropped.
+const latest = {analyze: 0, next: 0, merges: 0, inputs: 0};
+let latestMap = 0; // the map of an analyze or attention reply older than the latest map asked for is dropped
 
 function markBusy() {
   document.body.dataset.busy = inflight + Object.keys(timers).length > 0 ? "1" : "0";
@@ -94,17 +95,17 @@ function clearError() {
   $("error").replaceChildren();
 }
 
-// The current request of a view (analyze, next): its reply is drawn only if no newer one was sent meanwhile.
-async function view(path, body, draw) {
-  const mine = ++latestView;
+// A request whose reply is drawn (or failure shown) only if `current()` still holds when it arrives, that is if
+// no later request made it stale.
+async function drawn(path, body, current, draw) {
   try {
     const data = await request(path, body);
-    if (mine !== latestView) return;
+    if (!current()) return;
     clearError();
     draw(data);
     keystrokeDrawn();
   } catch (error) {
-    if (mine === latestView) showError(error);
+    if (current()) showError(error);
   }
 }
 
@@ -124,11 +125,17 @@ function inputs() {
 function settings() {
   return {
     temperature: Number($("temperature").value),
-    top_k: parseInt($("top-k").value, 10),
+    top_k: wholeOrAsTyped($("top-k").value),
     top_p: Number($("top-p").value),
     presence_penalty: Number($("presence-penalty").value),
     frequency_penalty: Number($("frequency-penalty").value),
   };
+}
+
+// A whole number as a number; anything else as typed, for the server to refuse in one message (never a silent
+// default in place of what the box shows).
+function wholeOrAsTyped(value) {
+  return /^\s*\d+\s*$/.test(value) ? Number(value) : value;
 }
 
 // The map chosen in the selects ({} before the first analysis: the server's default, the first kind's 0, 0).
@@ -137,18 +144,21 @@ function selection() {
   return {kind: kindSelect().value, layer: Number($("layer").value), head: Number($("head").value)};
 }
 
+// Everything for the text: stale once a later analyze is sent; its distribution is left out if a control asked
+// for a newer one meanwhile (that reply draws it).
 function analyze() {
   if (!state.ids && !$("prompt").value) return;
-  const mine = ++latestMap;
-  view("/api/analyze", {...inputs(), settings: settings(), view: selection()}, (data) => {
+  const mine = ++latest.analyze, map = ++latestMap, nextSent = latest.next;
+  const body = {...inputs(), settings: settings(), view: selection()};
+  drawn("/api/analyze", body, () => mine === latest.analyze, (data) => {
     state.analysis = data;
     state.overview = Object.fromEntries(Object.entries(data.attention).map(([k, m]) => [k, decoded(m.overview)]));
-    if (mine === latestMap) state.map = mapOf(data.view);
+    if (map === latestMap) state.map = mapOf(data.view);
     drawTokens();
     drawEmbeddings();
     drawAttentionControls();
     drawAttention();
-    drawNext(data.next);
+    if (latest.next === nextSent) drawNext(data.next);
   });
 }
 
@@ -169,18 +179,26 @@ async function showMap() {
   }
 }
 
+// The distribution alone (a control moved): stale once a later one, or an analyze of a changed text, is sent.
 function next() {
   if (!state.analysis) return;
-  view("/api/next", {...inputs(), settings: settings()}, drawNext);
+  const mine = ++latest.next, analyzeSent = latest.analyze;
+  const current = () => mine === latest.next && analyzeSent === latest.analyze;
+  drawn("/api/next", {...inputs(), settings: settings()}, current, drawNext);
 }
 
+// Greedy or sampled steps appended to the ids; dropped if the text was edited while they were computed. The
+// buttons wait for the reply, so two clicks cannot both extend the same ids.
 async function generate(mode) {
   const body = {
     ...inputs(), settings: settings(), mode,
     steps: parseInt($("steps").value, 10), seed: parseInt($("seed").value, 10),
   };
+  const version = latest.inputs;
+  $("greedy").disabled = $("sample").disabled = true;
   try {
     const result = await request("/api/generate", body);
+    if (version !== latest.inputs) return;
     clearError();
     drawGeneration(result);
     if (seq2seq()) state.targetIds = result.ids;
@@ -190,7 +208,9 @@ async function generate(mode) {
       `edit the ${seq2seq() ? "target" : "text"} to start over.`;
     analyze();
   } catch (error) {
-    showError(error);
+    if (version === latest.inputs) showError(error);
+  } finally {
+    $("greedy").disabled = $("sample").disabled = false;
   }
 }
 
@@ -331,8 +351,10 @@ function drawTokens() {
 }
 
 async function showMerges(id) {
+  const mine = ++latest.merges;
   try {
     const m = await request("/api/merges", {id});
+    if (mine !== latest.merges) return;
     clearError();
     const title = el("p", {}, `«${readable(m)}» (id ${m.id}): `, m.kind === "merged"
       ? "built by these merges (a lower rank was learned earlier)" : m.message || `a ${m.kind} token`);
@@ -340,7 +362,7 @@ async function showMerges(id) {
     $("merge-tree").replaceChildren(title, tree);
     $("merge-tree").dataset.tokenId = id;
   } catch (error) {
-    showError(error);
+    if (mine === latest.merges) showError(error);
   }
 }
 
@@ -625,6 +647,7 @@ function start() {
   for (const id of ["prompt", "target", "temperature", "top-k", "top-p", "presence-penalty", "frequency-penalty"]) {
     $(id).addEventListener("input", typed);
   }
+  for (const id of ["prompt", "target"]) $(id).addEventListener("input", () => latest.inputs++);
   $("prompt").addEventListener("input", () => {
     state.ids = null;
     state.targetIds = null;
