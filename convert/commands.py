@@ -11,7 +11,7 @@ from ..errors import require_extra
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     """`deriv import SOURCE --out FOLDER`."""
     parser.description = (
-        "Load a native checkpoint (GPT2LMHeadModel or MarianMTModel: a local folder, or a Hub id such as gpt2 or "
+        "Load a native checkpoint (GPT2LMHeadModel, LlamaForCausalLM or MarianMTModel: a local folder, or a Hub id such as gpt2 or "
         "Helsinki-NLP/opus-mt-en-de when online) with "
         "transformers' own classes and write it as a Deriv folder with the same weights, tokenizer and "
         "generation config."
@@ -22,13 +22,13 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """`deriv export FOLDER --to gpt2|marian|onnx --out DIR`."""
+    """`deriv export FOLDER --to gpt2|llama|marian|onnx --out DIR`."""
     parser.description = (
-        "Write a Deriv folder as its native twin (gpt2, marian), loadable without trust_remote_code, or a "
+        "Write a Deriv folder as its native twin (gpt2, llama, marian), loadable without trust_remote_code, or a "
         "GPT-2-shaped one as an ONNX graph for ONNX Runtime (onnx; needs the onnx extra)."
     )
     parser.add_argument("folder", type=model_folder, help="a Deriv model folder")
-    parser.add_argument("--to", required=True, choices=["gpt2", "marian", "onnx"], help="the native architecture")
+    parser.add_argument("--to", required=True, choices=["gpt2", "llama", "marian", "onnx"], help="the native architecture")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
     parser.set_defaults(func=run_export)
 

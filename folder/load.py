@@ -28,7 +28,7 @@ IGNORED = ("checkpoints/*", "tokenizer/*", ".*", "__pycache__/*", "*.pyc")
 # --trust-remote-code (tests/test_load_paths.py checks this against the config classes).
 DERIV_MODEL_TYPES = ("deriv", "deriv_seq2seq")
 # The native types `deriv import` turns into Deriv folders; a folder of one is pointed there.
-IMPORTABLE_MODEL_TYPES = ("gpt2", "marian")
+IMPORTABLE_MODEL_TYPES = ("gpt2", "llama", "marian")
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 # Weight files `torch.load` would unpickle: PyTorch's, and the names other tools give their pickles.
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
