@@ -2,7 +2,8 @@
 
 Each direction loads with the library's own classes (never `trust_remote_code`) through `load_weights`, which
 reads safetensors only (a pickled checkpoint is refused unopened) and refuses a checkpoint that lacks a tensor
-of the model or holds one of another shape; it maps the weights through the tables in `gpt2.py` and `marian.py`,
+of the model or holds one of another shape; it maps the weights through the tables in `gpt2.py`, `llama.py` and
+`marian.py`,
 checks that every tensor found a place, and writes the new folder beside its target and renames it in whole,
 with the source's tokenizer and generation config carried over unchanged. Export reads Deriv folders only, and
 import the native types it knows (`IMPORTERS`), each as its config.json names it.
@@ -19,7 +20,7 @@ from ..errors import MissingFile, UsageError
 from ..folder.atomic import atomic_directory
 from ..folder.load import load_weights, read_folder
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
-from . import gpt2, marian
+from . import gpt2, llama, marian
 
 
 def _refuse_existing(out: str | os.PathLike) -> None:
@@ -192,6 +193,56 @@ def export_gpt2(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     return str(out)
 
 
+def llama_twin(native) -> DerivForCausalLM:
+    """The `DerivForCausalLM` holding a `LlamaForCausalLM`'s weights: the same function, Deriv's code."""
+    config = llama.deriv_config(native.config)
+    model = DerivForCausalLM(config)
+    tied = config.tie_word_embeddings
+    _load_exact(model, llama.to_deriv(native.state_dict(), tied), {"lm_head.weight"} if tied else set())
+    return model
+
+
+def import_llama(source: str, out: str | os.PathLike) -> str:
+    """A `LlamaForCausalLM` checkpoint (a folder, or a Hub id when online) as a `DerivForCausalLM` folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _refuse_existing(out)
+    llama.deriv_config(LlamaConfig.from_pretrained(source))  # refuses before reading what may be gigabytes
+    model = llama_twin(load_weights(LlamaForCausalLM, source)).eval()
+    with atomic_directory(out) as tmp:
+        _carry_tokenizer_and_generation(source, tmp, model)
+        model.save_pretrained(tmp)
+        write_import_card(source, tmp, out)
+    return str(out)
+
+
+def native_llama(folder: str | os.PathLike):
+    """The `LlamaForCausalLM` a folder holds: itself (a Llama folder) or the twin of a Llama-shaped Deriv one."""
+    from transformers import LlamaForCausalLM
+
+    kind = model_type(folder)
+    if kind == "llama":
+        return load_weights(LlamaForCausalLM, folder).eval()
+    if kind != "deriv":
+        raise UsageError(f"{folder} is a {kind!r} model, not a decoder with a Llama twin (deriv or llama).")
+    model = load_weights(DerivForCausalLM, folder)
+    config = llama.llama_config(model.config)  # says which switches differ, where there is no twin
+    native = LlamaForCausalLM(config)
+    tied = config.tie_word_embeddings
+    _load_exact(native, llama.to_llama(model.state_dict(), tied), {"lm_head.weight"} if tied else set())
+    return native.eval()
+
+
+def export_llama(folder: str | os.PathLike, out: str | os.PathLike) -> str:
+    """A Deriv decoder folder with Llama's switches as a `LlamaForCausalLM` folder (no Deriv code in it)."""
+    _refuse_existing(out)
+    native = native_llama(folder)
+    with atomic_directory(out) as tmp:
+        _carry_tokenizer_and_generation(str(folder), tmp, native)
+        native.save_pretrained(tmp)
+    return str(out)
+
+
 _MARIAN_TABLES = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
 
 
@@ -232,8 +283,8 @@ def export_marian(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     return str(out)
 
 
-IMPORTERS = {"gpt2": import_gpt2, "marian": import_marian}
-EXPORTERS = {"gpt2": export_gpt2, "marian": export_marian}
+IMPORTERS = {"gpt2": import_gpt2, "llama": import_llama, "marian": import_marian}
+EXPORTERS = {"gpt2": export_gpt2, "llama": export_llama, "marian": export_marian}
 
 
 def model_type(folder: str | os.PathLike) -> str | None:

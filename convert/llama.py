@@ -1,0 +1,189 @@
+"""Llama <-> Deriv: the same network under two sets of names.
+
+Llama (Touvron et al. 2023) is Deriv's decoder with these switches thrown:
+
+    pre_norm=True                        RMSNorm before each sub-layer, and `norm` after the last block
+    position_embedding_type="rotary"     q and k rotated per head (RoPE, `rope_theta` its base), nothing added
+    norm_type="rms_norm"                 RMSNorm (a gain, no bias) instead of LayerNorm; eps is `rms_norm_eps`
+    gated_mlp=True, hidden_act="silu"    SwiGLU: down(silu(gate(x)) * up(x))
+    num_key_value_heads                  grouped-query attention: kv heads shared by groups of query heads
+    scale_embedding=False                x_0 = E[x], no sqrt(d)
+    bias=False                           no bias in any projection (Llama's attention_bias = mlp_bias)
+    dropout=0.0                          Llama has no dropout on the residual stream
+
+Unlike GPT-2's, Llama's weights need no reshaping: every matrix is an `nn.Linear` in both, q, k and v are
+separate in both, and Deriv rotates in Llama's "half" layout (dimension j pairs with j + head_dim/2), so the q
+and k rows copy without a permutation. Only the names differ: `LLAMA_NAMES` is the whole mapping, one line per
+module of a block whose name is not the same; `to_deriv` and `to_llama` read it in opposite directions, so
+import and export cannot disagree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UsageError
+from ..modeling_deriv import DerivConfig
+from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS
+
+
+# Deriv module in block i <- Llama module in block i; the rest (self_attn.{q,k,v,o}_proj, the embedding, the
+# final norm, lm_head) have one name in both
+LLAMA_NAMES = {
+    "self_attn_layer_norm": "input_layernorm",
+    "final_layer_norm": "post_attention_layernorm",
+    "mlp.gate": "mlp.gate_proj",
+    "mlp.fc1": "mlp.up_proj",
+    "mlp.fc2": "mlp.down_proj",
+}
+# The switches a Llama-shaped Deriv decoder has thrown (`llama_config` names the ones that are not)
+LLAMA_SWITCHES = {
+    "pre_norm": True,
+    "position_embedding_type": "rotary",
+    "norm_type": "rms_norm",
+    "gated_mlp": True,
+    "scale_embedding": False,
+}
+
+
+def _rope(llama) -> dict:
+    """The rotary settings: `rope_parameters` (transformers 5 moves a config.json's flat `rope_theta` and
+    `rope_scaling` into it), with Llama's defaults where a key is absent."""
+    rope = dict(getattr(llama, "rope_parameters", None) or {})
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(llama, "rope_theta", 10000.0))
+    return rope
+
+
+def _refusal(llama) -> str | None:
+    """What of a `LlamaConfig` Deriv has no switch for, in one sentence, or None when it has a switch for all."""
+    rope = _rope(llama)
+    heads, kv_heads = llama.num_attention_heads, llama.num_key_value_heads or llama.num_attention_heads
+    head_dim = llama.hidden_size // heads
+    if rope["rope_type"] != "default":
+        return (
+            f"rope_type={rope['rope_type']!r} (rope_parameters: a rescaled rotary frequency); Deriv can import "
+            "only rope_type='default', the plain RoPE of base rope_theta"
+        )
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return (
+            f"partial_rotary_factor={rope['partial_rotary_factor']!r} (rope_parameters); Deriv rotates every "
+            "dimension of a head and can import only partial_rotary_factor=1.0"
+        )
+    if getattr(llama, "head_dim", None) not in (None, head_dim):
+        return (
+            f"head_dim={llama.head_dim!r}; a Deriv head has hidden_size / num_attention_heads dimensions, so "
+            f"Deriv can import only head_dim={head_dim}"
+        )
+    if llama.attention_bias != llama.mlp_bias:
+        return (
+            f"attention_bias={llama.attention_bias!r} and mlp_bias={llama.mlp_bias!r}; Deriv has one `bias` switch "
+            "for both and can import only attention_bias == mlp_bias"
+        )
+    if llama.hidden_act not in HIDDEN_ACTS:
+        return f"hidden_act={llama.hidden_act!r}; Deriv can import only hidden_act in {HIDDEN_ACTS}"
+    if heads % kv_heads:
+        return (
+            f"num_key_value_heads={kv_heads!r}, which does not divide num_attention_heads={heads}; Deriv's "
+            "grouped-query attention shares each kv head among a whole group of query heads"
+        )
+    return None
+
+
+def deriv_config(llama) -> DerivConfig:
+    """The `DerivConfig` of the same network as a `LlamaConfig`; refuses, by name, the options Deriv has no switch
+    for (rescaled or partial RoPE, a head width of its own, separate attention and MLP bias switches, an
+    activation Deriv lacks)."""
+    refusal = _refusal(llama)
+    if refusal:
+        raise UsageError(f"This Llama checkpoint has {refusal}.")
+    return DerivConfig(
+        vocab_size=llama.vocab_size,
+        hidden_size=llama.hidden_size,
+        num_hidden_layers=llama.num_hidden_layers,
+        num_attention_heads=llama.num_attention_heads,
+        num_key_value_heads=llama.num_key_value_heads or llama.num_attention_heads,
+        intermediate_size=llama.intermediate_size,
+        hidden_act=llama.hidden_act,
+        max_position_embeddings=llama.max_position_embeddings,
+        **LLAMA_SWITCHES,
+        rope_theta=float(_rope(llama)["rope_theta"]),
+        bias=bool(llama.attention_bias),
+        dropout=0.0,
+        attention_dropout=float(llama.attention_dropout or 0.0),
+        layer_norm_eps=llama.rms_norm_eps,
+        initializer_range=llama.initializer_range,
+        use_cache=llama.use_cache,
+        tie_word_embeddings=llama.tie_word_embeddings,
+        pad_token_id=llama.pad_token_id,
+        bos_token_id=llama.bos_token_id,
+        eos_token_id=llama.eos_token_id,
+    )
+
+
+def llama_config(config: DerivConfig):
+    """The `LlamaConfig` of a Deriv decoder that has Llama's switches; says which switches are off otherwise.
+
+    Residual dropout (`dropout`) is a training setting with no Llama twin; it changes nothing at inference, so
+    the export has none rather than being refused."""
+    from transformers import LlamaConfig
+
+    wrong = [
+        f"{name}={getattr(config, name, None)!r} (Llama: {value!r})"
+        for name, value in LLAMA_SWITCHES.items()
+        if getattr(config, name, None) != value
+    ]
+    if wrong:
+        raise UsageError(
+            "This Deriv model has no Llama twin: " + ", ".join(wrong) + ". The paper's default decoder (post-LN, "
+            "sinusoid, LayerNorm, ReLU MLP, scaled embedding) is not an architecture LlamaForCausalLM can run; see "
+            "docs/convert.md."
+        )
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        attention_bias=config.bias,
+        mlp_bias=config.bias,
+        attention_dropout=config.attention_dropout,
+        rms_norm_eps=config.layer_norm_eps,
+        initializer_range=config.initializer_range,
+        use_cache=config.use_cache,
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+    )
+
+
+def _renamed(state: dict[str, torch.Tensor], names: dict[str, str], tied: bool) -> dict[str, torch.Tensor]:
+    """`state` with every block module `names` lists renamed (`model.layers.{i}.{module}.{weight,bias}`); the rest
+    keeps its name, except a tied `lm_head.weight`, which is left to the tie."""
+    out = {}
+    for key, tensor in state.items():
+        if tied and key == "lm_head.weight":
+            continue
+        prefix, _, rest = key.partition(".layers.")
+        if rest:
+            layer, _, name = rest.partition(".")
+            module, _, kind = name.rpartition(".")
+            key = f"{prefix}.layers.{layer}.{names.get(module, module)}.{kind}"
+        out[key] = tensor.contiguous()
+    return out
+
+
+def to_deriv(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """A `LlamaForCausalLM` state dict as `DerivForCausalLM`'s."""
+    return _renamed(state, {llama: deriv for deriv, llama in LLAMA_NAMES.items()}, tied)
+
+
+def to_llama(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """A `DerivForCausalLM` state dict as `LlamaForCausalLM`'s: `to_deriv` read backwards."""
+    return _renamed(state, LLAMA_NAMES, tied)
