@@ -159,6 +159,68 @@ def test_flags_over_config_file_over_preset_over_defaults(tmp_path):
     assert flagged.preset == "gpt2-124m" and flagged.hidden_size == 768  # a --preset flag over the file's
 
 
+# The modern-decoder switches (issue 33): DerivConfig's names, the paper's values by default.
+PAPER_SWITCHES = {
+    "position_embedding_type": "sinusoidal",
+    "rope_theta": 10000.0,
+    "norm_type": "layer_norm",
+    "gated_mlp": False,
+    "num_key_value_heads": None,
+    "bias": True,
+    "scale_embedding": True,
+}
+
+
+def test_the_architecture_switches_default_to_the_paper_and_reach_the_config():
+    overrides = TrainingArguments().model_overrides()
+    assert {name: overrides[name] for name in PAPER_SWITCHES} == PAPER_SWITCHES
+    for name in (n for n in PRESETS if not n.startswith("llama")):  # the paper's and GPT-2's presets turn none on
+        overrides = parse(["--preset", name])[0].model_overrides()
+        assert {switch: overrides[switch] for switch in PAPER_SWITCHES} == PAPER_SWITCHES
+
+
+def test_the_architecture_switches_parse_from_flags_under_the_configs_names():
+    line = [
+        "--position-embedding-type", "rotary", "--rope-theta", "500000", "--norm-type", "rms_norm", "--gated-mlp",
+        "--num-key-value-heads", "2", "--no-bias", "--no-scale-embedding",
+    ]  # fmt: skip
+    overrides = parse(line)[0].model_overrides()
+    assert {name: overrides[name] for name in PAPER_SWITCHES} == {
+        "position_embedding_type": "rotary",
+        "rope_theta": 500000.0,
+        "norm_type": "rms_norm",
+        "gated_mlp": True,
+        "num_key_value_heads": 2,
+        "bias": False,
+        "scale_embedding": False,
+    }
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, r"`num_key_value_heads` \(3\) must divide"),
+        ({"num_key_value_heads": 0}, "`num_key_value_heads` must be an integer >= 1"),
+        ({"position_embedding_type": "alibi"}, "`position_embedding_type` must be one of sinusoidal, learned, rotary"),
+        ({"norm_type": "batch_norm"}, "`norm_type` must be one of layer_norm, rms_norm"),
+        ({"rope_theta": 0.0}, "`rope_theta` must be a number > 0"),
+    ],
+)
+def test_a_bad_architecture_switch_is_refused_by_name(values, message):
+    with pytest.raises(UsageError, match=message):
+        TrainingArguments(**values)
+
+
+def test_kv_heads_that_do_not_divide_the_heads_are_one_error_line():
+    line = [sys.executable, "-m", "deriv_lm.cli", "train", "lm", "--num-attention-heads", "4"]
+    out = subprocess.run([*line, "--num-key-value-heads", "3"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "deriv: error: `num_key_value_heads` (3) must divide `num_attention_heads` (4): each key/value head "
+        "serves an equal group of query heads; pick a divisor of 4"
+    ]
+
+
 def test_context_length_is_an_alias_of_max_position_embeddings():
     for flag in ("--context-length", "--max-position-embeddings"):
         assert parse([flag, "64"])[0].max_position_embeddings == 64

@@ -70,6 +70,14 @@ def _heads_divide(hidden_size: int, heads: int, name: str) -> None:
         )
 
 
+def _kv_heads_divide(heads: int, kv_heads: int | None) -> None:
+    if kv_heads is not None and heads % kv_heads:
+        raise UsageError(
+            f"`num_key_value_heads` ({kv_heads}) must divide `num_attention_heads` ({heads}): each key/value head "
+            f"serves an equal group of query heads; pick a divisor of {heads}"
+        )
+
+
 def _hidden_act(value: str) -> None:
     from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS
 
@@ -212,16 +220,44 @@ class ModelArguments:
     intermediate_size: int = arg(1024, "d_ff, the feed-forward width")
     hidden_act: Literal["relu", "gelu", "gelu_new", "silu"] = arg("relu", "the feed-forward activation")
     pre_norm: bool = arg(False, "LayerNorm before each sublayer (GPT-2) instead of after it (the paper)")
+    position_embedding_type: Literal["sinusoidal", "learned", "rotary"] = arg(
+        "sinusoidal",
+        "how positions enter: the paper's fixed sinusoids added to the embeddings, a trained table (GPT-2), or "
+        "rotary (RoFormer, Llama): q and k rotated in each head, nothing added",
+    )
+    rope_theta: float = arg(10000.0, "the rotary base (read only with --position-embedding-type rotary)")
+    norm_type: Literal["layer_norm", "rms_norm"] = arg(
+        "layer_norm", "every norm of the model: LayerNorm (the paper), or RMSNorm (Llama: a weight, no mean, no bias)"
+    )
+    gated_mlp: bool = arg(
+        False,
+        "the feed-forward network is fc2(act(gate(x)) * fc1(x)), a third d x d_ff matrix (with silu: Llama's "
+        "SwiGLU; about 2/3 of the d_ff keeps the parameters)",
+    )
+    num_key_value_heads: int | None = arg(
+        None,
+        "key/value heads, shared by groups of query heads (grouped-query attention; the KV cache shrinks by "
+        "heads / kv heads); must divide --num-attention-heads (default: one per head, the paper's)",
+    )
+    bias: bool = arg(True, "biases in the attention and feed-forward Linears and in LayerNorm (--no-bias: none)")
+    scale_embedding: bool = arg(
+        True, "multiply the token embeddings by sqrt(d_model) (the paper's §3.4; --no-scale-embedding: GPT-2, Llama)"
+    )
     dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
     init_from: str | None = arg(None, INIT_FROM_HELP)
 
     def __post_init__(self) -> None:
         _positive(self, "max_position_embeddings", optional=True)
         _positive(self, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        _positive(self, "num_key_value_heads", optional=True)
         _new_model_context(self)
         check_range("dropout", self.dropout, minimum=0, below=1)
+        check_range("rope_theta", self.rope_theta, above=0)
         _hidden_act(self.hidden_act)
+        _choice(self, "position_embedding_type")
+        _choice(self, "norm_type")
         _heads_divide(self.hidden_size, self.num_attention_heads, "num_attention_heads")
+        _kv_heads_divide(self.num_attention_heads, self.num_key_value_heads)
 
 
 @dataclass
