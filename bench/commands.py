@@ -22,6 +22,7 @@ KINDS = {
     "serving": "continuous batching (generate_batch, deriv serve) against padded batches and one request at a time",
     "inference": "prefill and decode tokens/s against GPT-2 (dynamic, static, compiled static cache), the floor, "
     "KV-cache memory",
+    "ablation": "the paper's decoder made modern one change at a time, each trained on the main job and measured",
 }
 
 

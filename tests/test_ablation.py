@@ -1,0 +1,174 @@
+"""`deriv bench ablation` at a tiny shape: every step trains through `train_lm`, each step's model has exactly the
+switches the table claims, SwiGLU keeps the parameters, the KV bytes are a real cache's, a second run resumes, and
+bad flags are one line each. (No timing is asserted.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from deriv_lm.bench import ablation
+from deriv_lm.cli import main
+from deriv_lm.modeling_deriv import DerivConfig, DerivForCausalLM
+
+
+TINY = dict(
+    cache_dir=None,  # set per test session below
+    vocab_size=300,
+    max_position_embeddings=32,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=96,
+    batch_size=4,
+    warmup_steps=1,
+    learning_rate=3e-3,
+    log_every=1,
+    eval_every=2,
+    eval_batches=2,
+    save_every=2,
+    num_proc=1,
+)
+# the switches each step claims to add to the one before it, as the config saved in its folder spells them
+CLAIMED = {
+    "paper": {},
+    "pre_norm": {"pre_norm": True},
+    "rotary": {"position_embedding_type": "rotary"},
+    "rms_norm": {"norm_type": "rms_norm"},
+    "swiglu": {"gated_mlp": True, "hidden_act": "silu", "intermediate_size": 64},
+    "gqa": {"num_key_value_heads": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, corpus_file):
+    tmp = tmp_path_factory.mktemp("ablation")
+    config = tmp / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "files": [str(corpus_file)], "cache_dir": str(tmp / "cache")}))
+    held_out = tmp / "held_out.jsonl"
+    with open(held_out, "w") as f:  # documents of no run's corpus (the corpus file is the default corpus's first 120)
+        for doc in ablation.stdlib_held_out()[:40]:
+            f.write(json.dumps({"text": doc}) + "\n")
+    argv = ["bench", "ablation", "--config", str(config), "--max-steps", "2", "--seeds", "0", "--cpu"]
+    argv += ["--held-out", str(held_out), "--output-dir", str(tmp / "out")]
+    return tmp, argv
+
+
+@pytest.fixture(scope="module")
+def ablated(setup):
+    tmp, argv = setup
+    assert main([*argv, "--json", str(tmp / "summary.json")]) == 0
+    summary = json.loads((tmp / "summary.json").read_text())
+    return tmp, {row["step"]: row for row in summary["rows"]}
+
+
+def saved_config(tmp, step: str) -> dict:
+    config = DerivConfig.from_pretrained(tmp / "out" / f"{step}-seed0").to_dict()
+    return {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
+
+
+def test_every_step_trains_and_is_measured(ablated):
+    tmp, rows = ablated
+    assert list(rows) == list(ablation.STEPS)
+    for row in rows.values():
+        for key in ("val_perplexity", "held_out_perplexity"):
+            assert 1 < row[key]["mean"] < 1e6 and row[key]["std"] == 0.0  # one seed: no spread
+        assert row["tokens_per_second"] > 0 and row["parameters"] > 0
+    runs = json.loads((tmp / "out" / "ablation.json").read_text())["runs"]
+    assert [(r["step"], r["seed"]) for r in runs] == [(s, 0) for s in ablation.STEPS]
+    assert not any(os.path.exists(tmp / "out" / f"{s}-seed0" / "checkpoints") for s in ablation.STEPS)
+
+
+def test_each_step_has_exactly_the_switches_it_claims(ablated):
+    """The config each run saved differs from the paper step's in the claimed switches, cumulatively, and in
+    nothing else; the table's `changes` column names the same ones."""
+    tmp, rows = ablated
+    paper, claimed = saved_config(tmp, "paper"), {}
+    for step in ablation.STEPS:
+        claimed.update(CLAIMED[step])
+        config = saved_config(tmp, step)
+        differs = {k: config.get(k) for k in set(config) | set(paper) if config.get(k) != paper.get(k)}
+        assert differs == claimed, step
+        assert rows[step]["changes"] == CLAIMED[step]
+
+
+def test_swiglu_keeps_the_parameters_of_the_plain_mlp(ablated):
+    """At the tiny preset's real shape (built, not trained) and in the trained runs, the gated MLP of 2/3 d_ff
+    holds the parameters of the plain one within 1% (3% at the test's shape, where the biases weigh more)."""
+    from deriv_lm.training import TrainingArguments
+
+    base = ablation.base_settings("tiny")
+    counts = {}
+    for step in ("rms_norm", "swiglu"):
+        values = ablation.training_values(step, 0, base, "unused")
+        config = DerivConfig(vocab_size=4096, **TrainingArguments(**values).model_overrides())
+        counts[step] = sum(p.numel() for p in DerivForCausalLM(config).parameters())
+    assert ablation.matched_intermediate_size(1024) == 680
+    assert abs(counts["swiglu"] / counts["rms_norm"] - 1) < 0.01
+    _, rows = ablated
+    assert rows["swiglu"]["parameters"] != rows["rms_norm"]["parameters"]  # a gated MLP was built
+    assert abs(rows["swiglu"]["parameters"] / rows["rms_norm"]["parameters"] - 1) < 0.03
+
+
+def test_kv_bytes_per_token_are_a_real_caches(ablated):
+    tmp, rows = ablated
+    for step in ablation.STEPS:
+        model = DerivForCausalLM.from_pretrained(tmp / "out" / f"{step}-seed0").eval()
+        tokens = 7
+        with torch.no_grad():
+            cache = model(input_ids=torch.arange(3, 3 + tokens)[None], use_cache=True).past_key_values
+        stored = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        assert stored == tokens * rows[step]["kv_bytes_per_token"], step
+    assert rows["gqa"]["kv_bytes_per_token"] * 2 == rows["swiglu"]["kv_bytes_per_token"]
+
+
+def test_a_second_run_skips_the_finished_runs(ablated, setup, monkeypatch, capsys):
+    """With every run recorded nothing trains; with one run's result removed only that run trains again; other
+    settings in the same folder are refused."""
+    import deriv_lm.training
+
+    tmp, argv = setup
+    trained = []
+    real = deriv_lm.training.train_lm
+    monkeypatch.setattr(
+        deriv_lm.training, "train_lm", lambda args, cpu: trained.append(args.output_dir) or real(args, cpu)
+    )
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert trained == [] and capsys.readouterr().out.count("done earlier, skipped") == len(ablation.STEPS)
+    results = tmp / "out" / "ablation.json"
+    saved = json.loads(results.read_text())
+    before = {r["step"]: r for r in saved["runs"]}
+    saved["runs"] = [r for r in saved["runs"] if r["step"] != "rotary"]
+    results.write_text(json.dumps(saved))
+    assert main(argv) == 0
+    assert trained == [str(tmp / "out" / "rotary-seed0")]
+    after = {r["step"]: r for r in json.loads(results.read_text())["runs"]}
+    assert after.keys() == before.keys()
+    assert after["rotary"]["val_loss"] == before["rotary"]["val_loss"]  # the same run, trained again exactly
+    capsys.readouterr()
+    assert main([*argv, "--max-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "ablation.json holds the runs of an ablation with other settings (max_steps differ)" in err
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--steps", "paper,bogus"], "unknown step 'bogus'"),
+        (["--seeds", ""], "comma-separated whole numbers"),
+        (["--max-steps", "0"], "must be an integer"),
+    ],
+)
+def test_bad_flags_are_one_clear_line(flags, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "ablation", "--output-dir", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert stop.value.code == 2 and len(lines) == 1 and says in lines[0], err
+    assert "deriv: error:" in lines[0] or "error: argument" in lines[0]
+    assert not os.path.exists(tmp_path / "out")
