@@ -76,7 +76,15 @@ def gpt2_config(config: DerivConfig):
     """The `GPT2Config` of a Deriv decoder that has GPT-2's switches; says which switch is off otherwise."""
     from transformers import GPT2Config
 
-    needed = {"pre_norm": True, "position_embedding_type": "learned", "scale_embedding": False}
+    needed = {
+        "pre_norm": True,
+        "position_embedding_type": "learned",
+        "scale_embedding": False,
+        "norm_type": "layer_norm",
+        "gated_mlp": False,
+        "num_key_value_heads": config.num_attention_heads,
+        "bias": True,
+    }
     wrong = [f"{k}={getattr(config, k)!r} (GPT-2: {v!r})" for k, v in needed.items() if getattr(config, k) != v]
     if wrong or not config.tie_word_embeddings:
         wrong += [] if config.tie_word_embeddings else ["tie_word_embeddings=False (GPT-2: True)"]

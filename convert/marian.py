@@ -93,11 +93,20 @@ def marian_config(config: DerivSeq2SeqConfig):
 
     wrong = [
         f"{k}={getattr(config, k)!r}"
-        for k, v in {"pre_norm": False, "position_embedding_type": "sinusoidal"}.items()
+        for k, v in {
+            "pre_norm": False,
+            "position_embedding_type": "sinusoidal",
+            "norm_type": "layer_norm",
+            "gated_mlp": False,
+            "bias": True,
+        }.items()
         if getattr(config, k) != v
     ]
     if wrong:
-        raise UsageError(f"This Deriv model has no Marian twin: {', '.join(wrong)} (Marian: post-LN, sinusoid).")
+        raise UsageError(
+            f"This Deriv model has no Marian twin: {', '.join(wrong)} (Marian: post-LN, sinusoid, LayerNorm, an "
+            "ungated feed-forward, biases)."
+        )
     hidden_order(config.hidden_size)
     return MarianConfig(
         vocab_size=config.vocab_size,

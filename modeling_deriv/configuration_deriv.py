@@ -9,7 +9,8 @@ from transformers import PreTrainedConfig
 
 
 HIDDEN_ACTS = ("relu", "gelu", "gelu_new", "silu")
-POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
+POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned", "rotary")
+NORM_TYPES = ("layer_norm", "rms_norm")
 
 
 def _check_positive(config, *names):
@@ -35,6 +36,8 @@ def _check_common(config):
             f"`position_embedding_type` must be one of {POSITION_EMBEDDING_TYPES}, "
             f"got {config.position_embedding_type!r}."
         )
+    if config.norm_type not in NORM_TYPES:
+        raise ValueError(f"`norm_type` must be one of {NORM_TYPES}, got {config.norm_type!r}.")
     _check_probability(config, "dropout", "attention_dropout")
     if not config.layer_norm_eps > 0:
         raise ValueError(f"`layer_norm_eps` must be positive, got {config.layer_norm_eps!r}.")
@@ -67,11 +70,22 @@ class DerivConfig(PreTrainedConfig):
     intermediate_size: int = 2048  # d_ff of the position-wise feed-forward network
     hidden_act: str = "relu"  # the paper's max(0, x); "gelu" as in GPT/BERT
     max_position_embeddings: int = 512  # longest sequence (prompt + generated) the model accepts
-    # "sinusoidal": the paper's fixed PE, computed, never saved; "learned": a trained table (GPT-2).
+    # "sinusoidal": the paper's fixed PE, computed, never saved; "learned": a trained table (GPT-2);
+    # "rotary": no position vector at all, queries and keys are rotated by their position in every head (RoPE, Llama).
     position_embedding_type: str = "sinusoidal"
+    rope_theta: float = 10000.0  # the rotary base: pair i turns by pos / rope_theta^(2i/d_k); read only for "rotary"
     # False: the paper's post-LN, LayerNorm(x + Sublayer(x)). True: pre-LN, x + Sublayer(LayerNorm(x))
     # plus a final LayerNorm (Xiong et al. 2020), which trains deeper stacks without warmup tricks.
     pre_norm: bool = False
+    # "layer_norm": the paper's (x - mean) / std * g + b; "rms_norm": x / rms(x) * g, no centring, no bias (Llama).
+    norm_type: str = "layer_norm"
+    # False: the paper's act(x W_1) W_2. True: a gated feed-forward, (act(x W_gate) * x W_1) W_2; with "silu"
+    # that is SwiGLU (Shazeer 2020, Llama).
+    gated_mlp: bool = False
+    # Grouped-query attention (Ainslie et al. 2023): h query heads share this many key/value heads, h / kv each,
+    # and the KV cache shrinks by that factor. None: one per query head, the paper's multi-head attention.
+    num_key_value_heads: int | None = None
+    bias: bool = True  # biases in the attention and feed-forward projections and in LayerNorm; Llama has none
     # True: the paper's x_0 = sqrt(d) E[x] + PE (§3.4). False: E[x] + PE, as GPT-2 (`deriv import` loads its weights).
     scale_embedding: bool = True
     dropout: float = 0.1  # P_drop on each sub-layer output and on embeddings + positions (§5.4)
@@ -84,6 +98,13 @@ class DerivConfig(PreTrainedConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
 
+    def __post_init__(self, **kwargs):
+        # subtle: resolved here, as Llama's config does, because continuous batching and other library code size
+        # the KV cache from `num_key_value_heads` when the config has the attribute.
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+
     def validate_architecture(self):
         """Reject impossible shapes at construction, naming the field (run by `@strict`)."""
         _check_positive(
@@ -92,6 +113,7 @@ class DerivConfig(PreTrainedConfig):
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",
+            "num_key_value_heads",
             "intermediate_size",
             "max_position_embeddings",
         )
@@ -100,6 +122,19 @@ class DerivConfig(PreTrainedConfig):
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads}): each head gets hidden_size / num_attention_heads dimensions."
             )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be divisible by `num_key_value_heads` "
+                f"({self.num_key_value_heads}): each key/value head serves the same number of query heads."
+            )
+        head_dim = self.hidden_size // self.num_attention_heads
+        if self.position_embedding_type == "rotary" and head_dim % 2 != 0:
+            raise ValueError(
+                f"position_embedding_type='rotary' rotates pairs of dimensions, so each head needs an even size; "
+                f"hidden_size / num_attention_heads is {head_dim}."
+            )
+        if self.position_embedding_type == "rotary" and not self.rope_theta > 0:
+            raise ValueError(f"`rope_theta` must be positive, got {self.rope_theta!r}.")
         _check_common(self)
 
 
@@ -142,8 +177,11 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
     intermediate_size: int = 2048  # d_ff, both sides
     hidden_act: str = "relu"
     max_position_embeddings: int = 256  # longest source, and longest target, the model accepts
-    position_embedding_type: str = "sinusoidal"
+    position_embedding_type: str = "sinusoidal"  # "sinusoidal" or "learned"; rotary is the decoder-only model's
     pre_norm: bool = False
+    norm_type: str = "layer_norm"  # or "rms_norm", every norm of both stacks
+    gated_mlp: bool = False  # (act(x W_gate) * x W_1) W_2 in every feed-forward of both stacks
+    bias: bool = True  # biases in the attention and feed-forward projections and in LayerNorm
     scale_embedding: bool = True  # x_0 = sqrt(d) E[x] + PE, the paper's (§3.4) and OPUS-MT's; False: E[x] + PE
     # True: logits = h E^T + b, a bias over the vocabulary (Marian's `final_logits_bias`); the paper has none.
     output_bias: bool = False
@@ -194,6 +232,13 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
                     f"each head gets hidden_size / {side}_attention_heads dimensions."
                 )
         _check_common(self)
+        if self.position_embedding_type == "rotary":
+            # subtle: rotary needs a rotation in self-attention and none in cross-attention, and the translation
+            # model's runtimes (Marian, CTranslate2) have no such model: one more switch nothing would read.
+            raise ValueError(
+                "position_embedding_type='rotary' is the decoder-only model's (DerivConfig); the encoder-decoder "
+                "takes 'sinusoidal' or 'learned'."
+            )
         if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
             raise ValueError(
                 f"`decoder_vocab_size` ({self.decoder_vocab_size}) differs from `vocab_size` ({self.vocab_size}), "

@@ -13,6 +13,12 @@ Where the code departs from the 2017 paper, on purpose:
 - `position_embedding_type="learned"` replaces the sinusoid with a trained table (GPT-2).
 - `scale_embedding=False` drops the sqrt(d_model) on the token embedding (GPT-2). With `pre_norm=True`,
   `hidden_act="gelu_new"` and learned positions, that is GPT-2, whose weights `deriv import` loads.
+- Four more switches continue the derivation to today's decoder (Llama): `position_embedding_type="rotary"`
+  rotates queries and keys by their position instead of adding PE to x_0 (Su et al. 2021); `norm_type="rms_norm"`
+  normalises by the root mean square alone (Zhang & Sennrich 2019); `gated_mlp=True` gates the feed-forward
+  network, SwiGLU with "silu" (Shazeer 2020); `num_key_value_heads` < h shares each key/value head among several
+  query heads (grouped-query attention, Ainslie et al. 2023). `bias=False` drops every bias. All of them together,
+  with pre-LN and no embedding scale, are Llama, whose weights `deriv import` loads.
 - Initialisation (the paper gives none): linear layers N(0, 0.02^2), token embedding N(0, 1/d_model) so that
   the sqrt(d_model)-scaled embedding has unit variance like the sinusoid, and the LayerNorm that feeds the tied
   output projection starts with a gain below 1, so that an untrained model starts at the loss of a uniform
@@ -101,11 +107,86 @@ class DerivSinusoidalPositionalEmbedding(nn.Module):
         return nn.functional.embedding(position_ids, self.weight)  # (B, T, d)
 
 
+def rotary_tables(num_positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles pos * theta^(-2i/d_k), i < d_k/2, each written twice, (P, d_k).
+
+    The sinusoid's angles (theta = 10000 is §3.5's base, over d_k instead of d): the same frequencies, used to
+    turn vectors instead of being added to them. Computed in float64 and rounded once, like the sinusoid.
+    """
+    position = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (d_k / 2,)
+    angles = torch.cat([position * inv_freq] * 2, dim=-1)  # (P, d_k): dimension j and j + d_k/2 share an angle
+    dtype = torch.get_default_dtype()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class DerivRotaryEmbedding(nn.Module):
+    """Looks up (cos, sin) of each position's rotary angles, for the attention to turn queries and keys with; adds
+    nothing to x_0. Non-persistent buffers, like the sinusoid, recomputed by `_init_weights` after loading."""
+
+    def __init__(self, num_positions: int, head_dim: int, theta: float):
+        super().__init__()
+        self.num_positions, self.head_dim, self.theta = num_positions, head_dim, theta
+        cos, sin = rotary_tables(num_positions, head_dim, theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # a lookup, as the sinusoid's: a position past the table fails the same way, and is named the same way
+        return nn.functional.embedding(position_ids, self.cos), nn.functional.embedding(position_ids, self.sin)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x_1, x_2) -> (-x_2, x_1) on the two halves of the last dimension: dimension j pairs with j + d_k/2, the
+    layout of transformers' Llama (whose checkpoints therefore load without a permutation)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """R(pos) x: each pair (x_j, x_{j+d_k/2}) turned by its angle. x is (B, h, T, d_k), cos and sin (B, T, d_k).
+
+    Why it encodes position: R(m)q . R(n)k = q . R(n - m)k, so a query-key score depends on the two tokens and on
+    their distance only, whatever the absolute positions (Su et al. 2021, §3.4.2).
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over the heads
+    return x * cos + rotate_half(x) * sin
+
+
 def position_embedding(config) -> nn.Module:
-    """PE(pos): the paper's sinusoid (§3.5), or a trained table when `position_embedding_type="learned"`."""
+    """PE(pos): the paper's sinusoid (§3.5), a trained table when `position_embedding_type="learned"`, or the
+    rotary tables, which rotate queries and keys instead of adding to the input, when "rotary"."""
     if config.position_embedding_type == "learned":
         return nn.Embedding(config.max_position_embeddings, config.hidden_size)
+    if config.position_embedding_type == "rotary":
+        head_dim = config.hidden_size // config.num_attention_heads
+        return DerivRotaryEmbedding(config.max_position_embeddings, head_dim, config.rope_theta)
     return DerivSinusoidalPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+
+
+class DerivRMSNorm(nn.Module):
+    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g: LayerNorm without the centring and the bias (Zhang & Sennrich
+    2019), which costs one reduction instead of two and trains as well. Computed in float32 at least, then cast
+    back before the gain, as transformers' LlamaRMSNorm does, so that bf16 models match it."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def norm_layer(config) -> nn.Module:
+    """The normalisation every block (and pre-LN's final norm) uses: the paper's LayerNorm, with or without its
+    bias (`bias`), or RMSNorm (`norm_type="rms_norm"`)."""
+    if config.norm_type == "rms_norm":
+        return DerivRMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias)
 
 
 class DerivScaledWordEmbedding(nn.Embedding):
@@ -137,9 +218,12 @@ def eager_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q K^T / sqrt(d_k) + M) V for all heads at once (§3.2.1); returns the weights too.
 
-    Q: (B, h, T, d_k), K and V: (B, h, S, d_k) with S = cached + new positions. M is the additive
+    Q: (B, h, T, d_k), K and V: (B, h_kv, S, d_k) with S = cached + new positions; with grouped-query attention
+    (h_kv < h) each key/value head is repeated for the h / h_kv query heads that share it. M is the additive
     mask from `transformers.masking_utils`: 0 where a query may look, the dtype's minimum where not.
     """
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (B, h, S, d_k)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, h, T, S)
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask[:, :, :, : key.shape[-2]]
@@ -151,10 +235,22 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
-class DerivAttention(nn.Module):
-    """MultiHead(X) = Concat(head_1..head_h) W^O, head_i = Attention(X W_i^Q, X W_i^K, X W_i^V)  (§3.2.2).
+def repeat_kv(hidden_states: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, h_kv, S, d_k) -> (B, h_kv * groups, S, d_k): key/value head j serves query heads j*groups to
+    (j+1)*groups - 1."""
+    if groups == 1:
+        return hidden_states
+    batch, kv_heads, length, head_dim = hidden_states.shape
+    expanded = hidden_states[:, :, None].expand(batch, kv_heads, groups, length, head_dim)
+    return expanded.reshape(batch, kv_heads * groups, length, head_dim)
 
-    The h projections of each kind are one (d, d) linear map, split into heads by a reshape.
+
+class DerivAttention(nn.Module):
+    """MultiHead(X) = Concat(head_1..head_h) W^O, head_i = Attention(X W_i^Q, X W_j^K, X W_j^V)  (§3.2.2).
+
+    The h projections of each kind are one linear map, split into heads by a reshape. In the paper j = i; with
+    grouped-query attention there are h_kv < h key/value heads and j = i // (h / h_kv), so W^K and W^V are
+    (d, h_kv d_k) and the KV cache holds h_kv heads.
     """
 
     def __init__(self, config: DerivConfig, layer_idx: int, num_heads: int | None = None, is_causal: bool = True):
@@ -168,10 +264,15 @@ class DerivAttention(nn.Module):
         # Read by the sdpa / flash kernels when no explicit mask is needed: True for the decoder's mask M,
         # False for the encoder (every source token sees every other) and for cross-attention.
         self.is_causal = is_causal
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)  # W^O
+        # h_kv: the encoder-decoder (which passes its side's `num_heads`) has no grouped-query attention
+        kv_heads = self.num_heads if num_heads else config.num_key_value_heads
+        # subtle: under this name the library's sdpa, flex and paged kernels repeat K and V (or ask the kernel to)
+        self.num_key_value_groups = self.num_heads // kv_heads
+        d, kv_dim = config.hidden_size, kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d, d, bias=config.bias)
+        self.k_proj = nn.Linear(d, kv_dim, bias=config.bias)
+        self.v_proj = nn.Linear(d, kv_dim, bias=config.bias)
+        self.o_proj = nn.Linear(d, d, bias=config.bias)  # W^O
 
     def forward(
         self,
@@ -179,10 +280,12 @@ class DerivAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         key_value_states: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Self-attention over `hidden_states`, or cross-attention from them to `key_value_states` (the
-        encoder output, §3.2.3): queries come from the decoder, keys and values from the source."""
+        encoder output, §3.2.3): queries come from the decoder, keys and values from the source.
+        `position_embeddings`: the (cos, sin) of rotary positions, which turn the queries and the new keys."""
         input_shape = hidden_states.shape[:-1]  # (B, T)
         hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, h, d_k)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, T, d_k)
@@ -200,8 +303,11 @@ class DerivAttention(nn.Module):
         else:
             source = key_value_states if is_cross_attention else hidden_states
             source_shape = (*source.shape[:-1], -1, self.head_dim)  # (B, S, h, d_k)
-            key = self.k_proj(source).view(source_shape).transpose(1, 2)  # (B, h, S, d_k)
+            key = self.k_proj(source).view(source_shape).transpose(1, 2)  # (B, h_kv, S, d_k)
             value = self.v_proj(source).view(source_shape).transpose(1, 2)
+            if position_embeddings is not None:
+                # rotated before caching: a cached key keeps the rotation of its own position
+                query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
             if layer_cache is not None:
                 # The KV cache: keys and values of earlier positions never change under a causal mask,
                 # so each step computes only the new ones and attends over all.  -> (B, h, S, d_k)
@@ -229,15 +335,24 @@ class DerivAttention(nn.Module):
 
 
 class DerivMLP(nn.Module):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, the same at every position (§3.3); act is ReLU in the paper."""
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, the same at every position (§3.3); act is ReLU in the paper.
+
+    Gated (`gated_mlp=True`): FFN(x) = (act(x W_g) * x W_1) W_2, one more (d, d_ff) matrix whose activation
+    scales x W_1 element by element (Shazeer 2020); SwiGLU when act is SiLU. A third of the parameters more at
+    the same d_ff, so comparisons at equal size take d_ff 2/3 as wide.
+    """
 
     def __init__(self, config: DerivConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)  # (d -> d_ff)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)  # (d -> d_ff)
         self.act_fn = ACT2FN[config.hidden_act]
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)  # (d_ff -> d)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)  # (d_ff -> d)
+        if config.gated_mlp:
+            self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)  # W_g
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate"):
+            return self.fc2(self.act_fn(self.gate(hidden_states)) * self.fc1(hidden_states))
         return self.fc2(self.act_fn(self.fc1(hidden_states)))
 
 
@@ -252,12 +367,12 @@ class DerivDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.pre_norm = config.pre_norm
         self.self_attn = DerivAttention(config, layer_idx, num_heads=num_heads, is_causal=is_causal)
-        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn_layer_norm = norm_layer(config)
         self.mlp = DerivMLP(config)
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.final_layer_norm = norm_layer(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def residual(self, hidden_states: torch.Tensor, norm: nn.LayerNorm, sublayer: Callable) -> torch.Tensor:
+    def residual(self, hidden_states: torch.Tensor, norm: nn.Module, sublayer: Callable) -> torch.Tensor:
         """One sub-layer with its dropout, residual connection and LayerNorm, post-LN or pre-LN."""
         if self.pre_norm:
             return hidden_states + self.dropout(sublayer(norm(hidden_states)))
@@ -268,12 +383,13 @@ class DerivDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
         hidden_states = self.residual(
             hidden_states,
             self.self_attn_layer_norm,
-            lambda x: self.self_attn(x, attention_mask, cache, **kwargs)[0],
+            lambda x: self.self_attn(x, attention_mask, cache, position_embeddings=position_embeddings, **kwargs)[0],
         )
         return self.residual(hidden_states, self.final_layer_norm, self.mlp)
 
@@ -342,6 +458,10 @@ class DerivPreTrainedModel(PreTrainedModel):
         # trained from) load bit for bit; only a missing weight is drawn here.
         if isinstance(module, DerivSinusoidalPositionalEmbedding):
             init.copy_(module.weight, sinusoidal_table(module.num_positions, module.embedding_dim))
+        elif isinstance(module, DerivRotaryEmbedding):
+            cos, sin = rotary_tables(module.num_positions, module.head_dim, module.theta)
+            init.copy_(module.cos, cos)
+            init.copy_(module.sin, sin)
         elif isinstance(module, DerivScaledWordEmbedding):
             # unscaled (GPT-2's layout), the table is the input itself and starts as GPT-2's does
             scaled = module.embed_scale != 1.0
@@ -395,8 +515,9 @@ def embed_checked(
     position_ids: torch.LongTensor,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sqrt(d) E[tokens], PE[positions]): `module`'s two table lookups (or the caller's `inputs_embeds`), with the
-    range checks of `check_inputs` that name a bad id or position.
+    """(sqrt(d) E[tokens], PE[positions]) (for rotary positions PE is a (cos, sin) pair): `module`'s two table
+    lookups (or the caller's `inputs_embeds`), with the range checks of `check_inputs` that name a bad id or
+    position.
 
     subtle: on the CPU the lookup is the check. An index outside a table raises an IndexError there, and only then
     does `check_inputs` read the values, to turn it into the error that names them; a decode step then pays
@@ -428,7 +549,8 @@ def check_mask(attention_mask: torch.Tensor | None, batch: int, length: int, nam
 
 
 class DerivModel(DerivPreTrainedModel):
-    """The decoder stack: x_0 = sqrt(d) E[tokens] + PE[positions], x_l = Block_l(x_{l-1}); returns x_N."""
+    """The decoder stack: x_0 = sqrt(d) E[tokens] + PE[positions], x_l = Block_l(x_{l-1}); returns x_N.
+    (Rotary positions add nothing to x_0: each block's attention turns its queries and keys by them.)"""
 
     def __init__(self, config: DerivConfig):
         super().__init__(config)
@@ -437,7 +559,7 @@ class DerivModel(DerivPreTrainedModel):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([DerivDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         # Pre-LN leaves the residual stream unnormalised after the last block; post-LN already ends in one.
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        self.norm = norm_layer(config) if config.pre_norm else nn.Identity()
         mark_output_norm(self.layers, self.norm, config.pre_norm)
         self.gradient_checkpointing = False
         self.post_init()
@@ -475,9 +597,12 @@ class DerivModel(DerivPreTrainedModel):
         # when the kernel's own is_causal path is exact. (The cache goes fourth, where it stands under
         # both of its names.)
         causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
-        hidden_states = self.dropout(inputs_embeds + positions)  # (B, T, d)
+        rotary = isinstance(positions, tuple)  # (cos, sin): positions turn q and k in every layer instead
+        hidden_states = self.dropout(inputs_embeds if rotary else inputs_embeds + positions)  # (B, T, d)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, causal_mask, cache, **kwargs)
+            hidden_states = layer(
+                hidden_states, causal_mask, cache, position_embeddings=positions if rotary else None, **kwargs
+            )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
 

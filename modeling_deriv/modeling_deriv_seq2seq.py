@@ -43,6 +43,7 @@ from .modeling_deriv import (
     check_mask,
     embed_checked,
     mark_output_norm,
+    norm_layer,
     position_embedding,
     renamed_cache,
     take_cache,
@@ -77,7 +78,7 @@ class DerivSeq2SeqDecoderLayer(DerivDecoderLayer):
         self.encoder_attn = DerivAttention(
             config, layer_idx, num_heads=config.decoder_attention_heads, is_causal=False
         )
-        self.encoder_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.encoder_attn_layer_norm = norm_layer(config)
 
     def forward(
         self,
@@ -150,7 +151,7 @@ class DerivSeq2SeqStack(DerivSeq2SeqPreTrainedModel):
         self.embed_positions = position_embedding(config)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([layer_class(config, i) for i in range(num_layers)])
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else nn.Identity()
+        self.norm = norm_layer(config) if config.pre_norm else nn.Identity()
         if layer_class is DerivSeq2SeqDecoderLayer:  # the decoder's last norm feeds the output projection
             mark_output_norm(self.layers, self.norm, config.pre_norm)
         self.gradient_checkpointing = False

@@ -1,7 +1,11 @@
 """An independent, deliberately plain implementation of the Deriv equations, for parity tests.
 
 It reads only the weights (a state dict) and the config, loops over heads one by one, builds its own
-sinusoid with Python's math module and its own causal mask, and shares no code with the package.
+sinusoid and rotation with Python's math module and its own causal mask, and shares no code with the package.
+The modern switches are written from their papers: rotary positions turn each pair (j, j + d_k/2) of a query
+or key by pos / theta^(2j/d_k) (RoFormer, in the pairing Llama's checkpoints use), RMSNorm divides by the root
+mean square, the gated feed-forward multiplies act(x W_g) into x W_1, and grouped-query head i reads key/value
+head i // (h / h_kv).
 """
 
 import math
@@ -26,28 +30,59 @@ def layer_norm(x, weight, bias, eps):
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
+def rms_norm(x, weight, eps):
+    return x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(t: torch.Tensor, theta: float) -> torch.Tensor:
+    """Each row pos of t (T, d_k) with its pairs (j, j + d_k/2) turned by the angle pos / theta^(2j/d_k)."""
+    out = t.clone()
+    half = t.shape[1] // 2
+    for pos in range(t.shape[0]):
+        for j in range(half):
+            angle = pos / theta ** (2 * j / t.shape[1])
+            c, s = math.cos(angle), math.sin(angle)
+            a, b = t[pos, j].item(), t[pos, j + half].item()
+            out[pos, j], out[pos, j + half] = a * c - b * s, a * s + b * c
+    return out
+
+
 def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits (T, V) for one unpadded sequence, computed in float64 from the equations."""
     sd = {k: v.double() for k, v in state.items()}
     d, h, T = config.hidden_size, config.num_attention_heads, input_ids.shape[0]
     d_k = d // h
-    act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu}[config.hidden_act]
+    h_kv = getattr(config, "num_key_value_heads", None) or h
+    rotary = config.position_embedding_type == "rotary"
+    act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}[config.hidden_act]
     emb = sd["model.embed_tokens.weight"]
-    x = emb[input_ids] * math.sqrt(d) + sinusoid(config.max_position_embeddings, d)[:T]
+    x = emb[input_ids] * (math.sqrt(d) if config.scale_embedding else 1.0)
+    if not rotary:
+        x = x + sinusoid(config.max_position_embeddings, d)[:T]
+
+    def norm(v, prefix):
+        if config.norm_type == "rms_norm":
+            return rms_norm(v, sd[prefix + ".weight"], config.layer_norm_eps)
+        return layer_norm(v, sd[prefix + ".weight"], sd.get(prefix + ".bias", 0.0), config.layer_norm_eps)
+
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
 
         def lin(name, v, p=p):
-            return v @ sd[p + name + ".weight"].T + sd[p + name + ".bias"]
+            return v @ sd[p + name + ".weight"].T + sd.get(p + name + ".bias", 0.0)
 
         def ln(name, v, p=p):
-            return layer_norm(v, sd[p + name + ".weight"], sd[p + name + ".bias"], config.layer_norm_eps)
+            return norm(v, p + name)
 
         def attention(v):
             q, k, val = lin("self_attn.q_proj", v), lin("self_attn.k_proj", v), lin("self_attn.v_proj", v)
             heads = []
             for i in range(h):
-                qi, ki, vi = (t[:, i * d_k : (i + 1) * d_k] for t in (q, k, val))
+                j = i // (h // h_kv)  # the key/value head query head i reads
+                qi = q[:, i * d_k : (i + 1) * d_k]
+                ki, vi = k[:, j * d_k : (j + 1) * d_k], val[:, j * d_k : (j + 1) * d_k]
+                if rotary:
+                    qi, ki = rotate(qi, config.rope_theta), rotate(ki, config.rope_theta)
                 scores = qi @ ki.T / math.sqrt(d_k)
                 for row in range(T):
                     scores[row, row + 1 :] = -math.inf  # position t sees positions <= t
@@ -55,6 +90,8 @@ def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tens
             return lin("self_attn.o_proj", torch.cat(heads, dim=-1))
 
         def ffn(v):
+            if config.gated_mlp:
+                return lin("mlp.fc2", act(lin("mlp.gate", v)) * lin("mlp.fc1", v))
             return lin("mlp.fc2", act(lin("mlp.fc1", v)))
 
         if config.pre_norm:
@@ -64,5 +101,6 @@ def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tens
             x = ln("self_attn_layer_norm", x + attention(x))
             x = ln("final_layer_norm", x + ffn(x))
     if config.pre_norm:
-        x = layer_norm(x, sd["model.norm.weight"], sd["model.norm.bias"], config.layer_norm_eps)
-    return x @ emb.T
+        x = norm(x, "model.norm")
+    head = sd.get("lm_head.weight", emb)
+    return x @ head.T

@@ -33,7 +33,7 @@ def test_defaults_are_the_paper_base_model():
         (dict(intermediate_size=0), "intermediate_size"),
         (dict(max_position_embeddings=0), "max_position_embeddings"),
         (dict(hidden_act="swishy"), "hidden_act"),
-        (dict(position_embedding_type="rotary"), "position_embedding_type"),
+        (dict(position_embedding_type="alibi"), "position_embedding_type"),
         (dict(dropout=1.5), "dropout"),
         (dict(attention_dropout=-0.1), "attention_dropout"),
         (dict(layer_norm_eps=0.0), "layer_norm_eps"),

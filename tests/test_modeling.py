@@ -35,16 +35,56 @@ def test_sinusoid_is_not_a_parameter_nor_saved(tiny_model):
     assert not any("embed_positions" in k for k in tiny_model.state_dict())
 
 
-@pytest.mark.parametrize("variant", [{}, {"pre_norm": True}, {"hidden_act": "gelu"}])
+LLAMA_SWITCHES = {
+    "pre_norm": True,
+    "position_embedding_type": "rotary",
+    "norm_type": "rms_norm",
+    "gated_mlp": True,
+    "hidden_act": "silu",
+    "num_key_value_heads": 2,
+    "bias": False,
+    "scale_embedding": False,
+}
+MODERN_VARIANTS = [
+    {"position_embedding_type": "rotary", "rope_theta": 500.0},
+    {"norm_type": "rms_norm"},
+    {"norm_type": "rms_norm", "pre_norm": True},
+    {"gated_mlp": True, "hidden_act": "silu"},
+    {"num_key_value_heads": 2},
+    {"num_key_value_heads": 1, "pre_norm": True},
+    {"bias": False},
+    {"bias": False, "pre_norm": True},
+    LLAMA_SWITCHES,
+]
+
+
+@pytest.mark.parametrize(
+    "variant", [{}, {"pre_norm": True}, {"hidden_act": "gelu"}, *MODERN_VARIANTS], ids=lambda v: str(v)
+)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_logits_match_independent_reference(variant, attn):
+    """Each switch, alone and all together (Llama), against the float64 head-by-head re-derivation."""
     model = make_model(seed=1, **variant)
+    perturb_norms(model)
     model.set_attn_implementation(attn)
     x = ids(batch=1, length=10)[0]
     with torch.no_grad():
         logits = model(x[None]).logits[0].double()
     expected = reference_logits(model.state_dict(), model.config, x)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def perturb_norms(model, seed=0):
+    """Norm gains away from 1 and biases away from 0 (their init), so that a missing or misplaced one shows, and
+    the attention projections ten times their init, so that scores are far from uniform and a wrong rotation or
+    a wrong key/value head changes the logits well past the tolerance."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+            elif "self_attn" in name:
+                param.mul_(10.0)
 
 
 def test_eager_attention_equals_torch_sdpa():
