@@ -6,7 +6,7 @@
 # Three environments, one command each (CI runs all three, each in a fresh environment):
 #   make test          the locked set (constraints/lock.txt), in .venv
 #   make test-oldest   every dependency at the floor pyproject.toml declares (constraints/oldest.txt), without
-#                      the onnx, serve and trl extras (their tests say they skip)
+#                      the onnx, serve, trl and runtimes extras (their tests say they skip)
 #   make test-newest   the newest release of everything the registry offers, torch included
 # When the newest set passes, `make lock` moves the lock forward to it; `make test` then tests the new lock.
 
@@ -25,7 +25,7 @@ PIP := -m pip install --quiet --disable-pip-version-check
 SETUP_PIP := -m pip install --disable-pip-version-check --progress-bar $(shell test -t 2 && echo on || echo off)
 
 .PHONY: setup test test-oldest test-newest test-all lock train train-translation lint lint-imports bench \
-	bench-seq2seq bench-tokenizer browser clean
+	bench-seq2seq bench-tokenizer browser clean test-llamacpp
 
 setup: $(STAMP)
 
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	@echo "setup: installing $(TORCH) (the CPU build on this project's CI machines; about a minute)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) $(SETUP_PIP) "$(TORCH)"
 	@echo "setup: installing deriv-lm and its dependencies at the versions in $(LOCK) (a few minutes)"
-	$(PY) $(SETUP_PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve,trl,eval]"
+	$(PY) $(SETUP_PIP) -c $(LOCK) -e ".[dev,viz,onnx,serve,trl,eval,runtimes]"
 	touch $(STAMP)
 	@echo "setup: done; $(VENV)/bin/deriv is the deriv command"
 
@@ -62,11 +62,24 @@ test-newest:
 	$(PYTHON) -m venv .venv-newest
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade pip
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) torch
-	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz,onnx,serve,trl,eval]"
+	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz,onnx,serve,trl,eval,runtimes]"
 	.venv-newest/bin/python -m pip freeze --exclude-editable > .venv-newest/freeze.txt
 	.venv-newest/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test-all: test test-oldest test-newest
+
+# llama.cpp through llama-cpp-python, for tests/test_llamacpp.py (a GGUF export decoded in llama.cpp): its own
+# environment, the locked set plus llama-cpp-python, which compiles llama.cpp from source (about 13 minutes on 2
+# cores the first time; pip's wheel cache makes the next build quick). Not in `make test`: too slow to build there.
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+.venv-llamacpp/.deriv-installed: pyproject.toml $(LOCK)
+	test -x .venv-llamacpp/bin/python || $(PYTHON) -m venv .venv-llamacpp
+	.venv-llamacpp/bin/python -c "import torch" 2>/dev/null || .venv-llamacpp/bin/python $(PIP) "$(TORCH)"
+	.venv-llamacpp/bin/python $(PIP) -c $(LOCK) -e ".[dev,runtimes]" "$(LLAMA_CPP)"
+	touch $@
+
+test-llamacpp: .venv-llamacpp/.deriv-installed
+	.venv-llamacpp/bin/python -m pytest -q -s tests/test_llamacpp.py $(PYTEST_ARGS)
 
 # Moves the lock to the set test-newest just passed with: every package but torch and the CUDA libraries it
 # brings (torch is the build TORCH names) and the packaging tools. Keeps the lock's header. Run `make test` after.
@@ -115,4 +128,4 @@ browser:
 	fi
 
 clean:
-	rm -rf $(VENV) .venv-oldest .venv-newest build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-oldest .venv-newest .venv-llamacpp build *.egg-info .pytest_cache

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..arguments import model_folder
-from ..errors import require_extra
+from ..errors import UsageError, require_extra
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     """`deriv import SOURCE --out FOLDER`."""
     parser.description = (
-        "Load a native checkpoint (GPT2LMHeadModel, LlamaForCausalLM or MarianMTModel: a local folder, or a Hub id such as gpt2 or "
-        "Helsinki-NLP/opus-mt-en-de when online) with "
+        "Load a native checkpoint (GPT2LMHeadModel, LlamaForCausalLM or MarianMTModel: a local folder, or a Hub id "
+        "such as gpt2 or Helsinki-NLP/opus-mt-en-de when online) with "
         "transformers' own classes and write it as a Deriv folder with the same weights, tokenizer and "
         "generation config."
     )
@@ -22,14 +22,31 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """`deriv export FOLDER --to gpt2|llama|marian|onnx --out DIR`."""
+    """`deriv export FOLDER --to gpt2|llama|marian|onnx|ctranslate2|gguf --out DIR`."""
     parser.description = (
         "Write a Deriv folder as its native twin (gpt2, llama, marian), loadable without trust_remote_code, or a "
-        "GPT-2-shaped one as an ONNX graph for ONNX Runtime (onnx; needs the onnx extra)."
+        "GPT-2-shaped one as an ONNX graph for ONNX Runtime (onnx; needs the onnx extra), or as a CTranslate2 model "
+        "through its twin (ctranslate2), or a Llama-shaped one as a GGUF file for llama.cpp (gguf); the last two "
+        "need the runtimes extra."
     )
     parser.add_argument("folder", type=model_folder, help="a Deriv model folder")
-    parser.add_argument("--to", required=True, choices=["gpt2", "llama", "marian", "onnx"], help="the native architecture")
-    parser.add_argument("--out", required=True, help="the folder to write (must not exist yet)")
+    parser.add_argument(
+        "--to",
+        required=True,
+        choices=["gpt2", "llama", "marian", "onnx", "ctranslate2", "gguf"],
+        help="the native architecture or runtime",
+    )
+    parser.add_argument("--out", required=True, help="the folder (the file, for gguf) to write (must not exist yet)")
+    parser.add_argument(
+        "--quantization",
+        choices=["float32", "int8", "int8_float32"],
+        help="--to ctranslate2: the weights' type (default float32; int8 runs the matrices in 8 bits)",
+    )
+    parser.add_argument(
+        "--outtype",
+        choices=["f32", "f16", "q8_0"],
+        help="--to gguf: the matrices' type (default f32; q8_0 is llama.cpp's 8-bit blocks of 32)",
+    )
     parser.set_defaults(func=run_export)
 
 
@@ -65,8 +82,16 @@ def run_export(ns: argparse.Namespace) -> int:
 
     if ns.to == "onnx":  # writing the graph needs onnx and torch's exporter, onnxscript (running it, onnxruntime)
         require_extra("onnx", "deriv export --to onnx", ("onnx", "onnxscript"))
+    if ns.to in ("ctranslate2", "gguf"):
+        require_extra("runtimes", f"deriv export --to {ns.to}", (ns.to,))
+    if ns.quantization and ns.to != "ctranslate2" or ns.outtype and ns.to != "gguf":
+        flag = "--quantization" if ns.quantization and ns.to != "ctranslate2" else "--outtype"
+        raise UsageError(
+            f"{flag} is for --to {'ctranslate2' if flag == '--quantization' else 'gguf'}, not --to {ns.to}."
+        )
 
-    out = export_model(ns.folder, ns.to, ns.out)
+    options = {"quantization": ns.quantization} if ns.quantization else {"outtype": ns.outtype} if ns.outtype else {}
+    out = export_model(ns.folder, ns.to, ns.out, **options)
     print(f"exported {ns.folder} -> {out} ({ns.to})")
     return 0
 

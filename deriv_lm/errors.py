@@ -62,6 +62,7 @@ EXTRAS = {
     "serve": ("fastapi", "uvicorn", "pydantic", "openai"),  # serve, bench serving
     "trl": ("trl",),  # no command: the Python API's SFTTrainer
     "eval": ("lm_eval",),  # eval --tasks (lm-evaluation-harness)
+    "runtimes": ("ctranslate2", "gguf"),  # export --to ctranslate2, export --to gguf
 }
 _EXTRA_OF_MODULE = {module: extra for extra, modules in EXTRAS.items() for module in modules}
 
