@@ -3,10 +3,9 @@
 Each direction loads with the library's own classes (never `trust_remote_code`) through `load_weights`, which
 reads safetensors only (a pickled checkpoint is refused unopened) and refuses a checkpoint that lacks a tensor
 of the model or holds one of another shape; it maps the weights through the tables in `gpt2.py`, `llama.py` and
-`marian.py`,
-checks that every tensor found a place, and writes the new folder beside its target and renames it in whole,
-with the source's tokenizer and generation config carried over unchanged. Export reads Deriv folders only, and
-import the native types it knows (`IMPORTERS`), each as its config.json names it.
+`marian.py`, checks that every tensor found a place, and writes the new folder beside its target and renames it
+in whole, with the source's tokenizer and generation config carried over unchanged. Export reads Deriv folders
+only, and import the native types it knows (`IMPORTERS`), each as its config.json names it.
 """
 
 from __future__ import annotations

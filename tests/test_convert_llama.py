@@ -1,0 +1,217 @@
+"""`deriv import` / `deriv export --to llama`: Llama is Deriv's decoder with the modern switches thrown (rotary
+positions, RMSNorm, SwiGLU, grouped-query attention, no biases), so an imported Llama gives the same logits and
+the same generated tokens, and a Llama-shaped Deriv folder exports to a plain `LlamaForCausalLM`; checked on tiny
+Llamas built here with random, non-trivial weights (no network)."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import cli_error, make_model
+from test_convert import ids, perturbed
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from deriv_lm import DerivForCausalLM
+from deriv_lm.convert import export_model, import_model
+
+
+ROPE_THETA = 500000.0  # Llama 3's base, not the 10000 default, so the test sees that it is carried
+
+# The switches that make Deriv's decoder a Llama (docs/convert.md), on conftest's tiny shape
+LLAMA_SHAPED = dict(
+    pre_norm=True,
+    position_embedding_type="rotary",
+    rope_theta=ROPE_THETA,
+    norm_type="rms_norm",
+    gated_mlp=True,
+    hidden_act="silu",
+    num_key_value_heads=2,
+    scale_embedding=False,
+    bias=False,
+    dropout=0.0,
+)
+
+
+def save_llama(folder, tokenizer, **overrides):
+    """A tiny LlamaForCausalLM (4 query heads sharing 2 kv heads) with every weight redrawn, saved with `tokenizer`."""
+    values = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = perturbed(LlamaForCausalLM(LlamaConfig(**{**values, **overrides})))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(params=[False, True], ids=["untied", "tied"])
+def llama_folder(request, tmp_path, tiny_tokenizer):
+    """Llama's default (and most checkpoints') untied output projection, and a tied one (SmolLM2's)."""
+    return save_llama(tmp_path / "llama-tiny", tiny_tokenizer, tie_word_embeddings=request.param)
+
+
+def assert_same_logits(got_model, expected_model, x=None):
+    x = ids() if x is None else x
+    with torch.no_grad():
+        expected, got = expected_model(x).logits, got_model(x).logits
+    assert expected.abs().max() > 1  # the weights are not trivial: the logits are far from zero
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_an_imported_llama_gives_the_same_logits(llama_folder, tmp_path):
+    source = LlamaForCausalLM.from_pretrained(llama_folder).eval()
+    model = DerivForCausalLM.from_pretrained(import_model(str(llama_folder), tmp_path / "deriv")).eval()
+    config = model.config
+    assert {k: getattr(config, k) for k in LLAMA_SHAPED} == LLAMA_SHAPED
+    assert config.tie_word_embeddings == source.config.tie_word_embeddings
+    assert (config.layer_norm_eps, config.attention_dropout) == (1e-5, 0.0)
+    assert_same_logits(model, source)
+
+
+def test_an_imported_llama_generates_the_same_tokens_greedy_and_with_beams(llama_folder, tmp_path):
+    source = LlamaForCausalLM.from_pretrained(llama_folder).eval()
+    model = DerivForCausalLM.from_pretrained(import_model(str(llama_folder), tmp_path / "deriv")).eval()
+    x = ids(1, 5)
+    for options in (dict(do_sample=False), dict(do_sample=False, num_beams=3, num_return_sequences=3)):
+        kwargs = dict(max_new_tokens=20, min_new_tokens=20, pad_token_id=0, **options)
+        expected = source.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        got = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+        assert torch.equal(got, expected), options
+
+
+def test_an_imported_llama_decodes_a_left_padded_batch_as_the_source_does(tmp_path, tiny_tokenizer):
+    """Rotary positions count from each row's first real token in both, so a padded row generates as Llama's."""
+    folder = save_llama(tmp_path / "llama-tiny", tiny_tokenizer)
+    source = LlamaForCausalLM.from_pretrained(folder).eval()
+    model = DerivForCausalLM.from_pretrained(import_model(str(folder), tmp_path / "deriv")).eval()
+    x = ids(2, 8)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0  # the second row is left-padded
+    x[1, :3] = 0
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    expected = source.generate(x, attention_mask=mask, **kwargs)
+    assert torch.equal(model.generate(x, attention_mask=mask, **kwargs), expected)
+
+
+def test_import_carries_the_tokenizer_and_generation_config_and_writes_no_local_path(tmp_path, tiny_tokenizer):
+    from transformers import AutoTokenizer
+
+    folder = save_llama(tmp_path / "llama-tiny", tiny_tokenizer)
+    sampling = dict(do_sample=True, temperature=0.6, top_p=0.9, max_length=48)
+    GenerationConfig(**sampling, bos_token_id=1, eos_token_id=2).save_pretrained(folder)
+    out = import_model(str(folder), tmp_path / "deriv")
+    text = "the lazy fox attends"
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == tiny_tokenizer(text).input_ids
+    generation = GenerationConfig.from_pretrained(out)
+    assert {k: getattr(generation, k) for k in sampling} == sampling
+    for name in os.listdir(out):
+        if name.endswith(".json") or name == "README.md":
+            content = open(os.path.join(out, name), encoding="utf-8").read()
+            assert str(tmp_path) not in content, name
+    config = json.loads(open(os.path.join(out, "config.json")).read())
+    assert (config["model_type"], config["rope_theta"], config["num_key_value_heads"]) == ("deriv", ROPE_THETA, 2)
+
+
+def test_the_imported_folder_has_an_import_card_naming_its_source(tmp_path, tiny_tokenizer):
+    from huggingface_hub import ModelCard
+
+    folder = save_llama(tmp_path / "llama-tiny", tiny_tokenizer)
+    (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n\n# a tiny Llama\n", encoding="utf-8")
+    card = ModelCard.load(import_model(str(folder), tmp_path / "deriv") + "/README.md")
+    assert card.data.base_model == "llama-tiny" and card.data.license == "apache-2.0"
+    assert "imported" in card.data.tags and "imported unchanged with `deriv import`" in card.text
+
+
+def test_export_then_import_is_exact_and_the_export_is_plain_llama(llama_folder, tmp_path):
+    first = DerivForCausalLM.from_pretrained(import_model(str(llama_folder), tmp_path / "a")).eval()
+    exported = export_model(tmp_path / "a", "llama", tmp_path / "native")
+    assert not [f for f in os.listdir(exported) if f.endswith(".py")]  # no Deriv code rides along
+    config = json.loads(open(os.path.join(exported, "config.json")).read())
+    assert config["model_type"] == "llama" and "auto_map" not in config
+    native = LlamaForCausalLM.from_pretrained(exported).eval()
+    again = DerivForCausalLM.from_pretrained(import_model(str(exported), tmp_path / "b"))
+    assert first.state_dict().keys() == again.state_dict().keys()
+    for name, tensor in first.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    assert again.config.to_diff_dict() == first.config.to_diff_dict()
+    assert_same_logits(native, first)
+
+
+def test_a_llama_shaped_deriv_model_exports_to_a_llama_with_the_same_logits_and_tokens(tmp_path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = perturbed(make_model(**LLAMA_SHAPED, vocab_size=len(tiny_tokenizer)), seed=3)
+    model.save_pretrained(tmp_path / "deriv")
+    tiny_tokenizer.save_pretrained(tmp_path / "deriv")
+    exported = export_model(tmp_path / "deriv", "llama", tmp_path / "native")
+    native = AutoModelForCausalLM.from_pretrained(exported).eval()  # no trust_remote_code: the library's own class
+    assert type(native) is LlamaForCausalLM
+    assert native.config.rope_parameters["rope_theta"] == ROPE_THETA and native.config.num_key_value_heads == 2
+    assert_same_logits(native, model)
+    x = ids(1, 5)
+    kwargs = dict(max_new_tokens=15, min_new_tokens=15, do_sample=False, pad_token_id=0)
+    mask = torch.ones_like(x)
+    expected = model.generate(x, attention_mask=mask, **kwargs)
+    assert torch.equal(native.generate(x, attention_mask=mask, **kwargs), expected)
+
+
+def test_the_papers_decoder_has_no_llama_twin_and_says_which_switches_differ(tmp_path):
+    make_model().save_pretrained(tmp_path / "paper")
+    pattern = "pre_norm=False.*position_embedding_type='sinusoidal'.*norm_type='layer_norm'.*gated_mlp=False"
+    with pytest.raises(ValueError, match=pattern + ".*scale_embedding=True"):
+        export_model(tmp_path / "paper", "llama", tmp_path / "native")
+    assert not (tmp_path / "native").exists()
+    make_model(**{**LLAMA_SHAPED, "norm_type": "layer_norm"}).save_pretrained(tmp_path / "layer-norm")
+    only = "no Llama twin: norm_type='layer_norm' \\(Llama: 'rms_norm'\\)\\."
+    with pytest.raises(ValueError, match=only) as refusal:
+        export_model(tmp_path / "layer-norm", "llama", tmp_path / "native")
+    assert "pre_norm" not in str(refusal.value)
+
+
+REFUSED = {
+    "rope_type='llama3'": dict(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": ROPE_THETA,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    ),
+    "rope_type='linear'": dict(rope_parameters={"rope_type": "linear", "rope_theta": ROPE_THETA, "factor": 2.0}),
+    "partial_rotary_factor=0.5": dict(
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA, "partial_rotary_factor": 0.5}
+    ),
+    "head_dim=16": dict(head_dim=16),
+    "attention_bias=True and mlp_bias=False": dict(attention_bias=True, mlp_bias=False),
+    "hidden_act='gelu_pytorch_tanh'": dict(hidden_act="gelu_pytorch_tanh"),
+}
+
+
+@pytest.mark.parametrize("named", REFUSED)
+def test_import_refuses_a_llama_option_deriv_has_no_switch_for_naming_it(named, tmp_path, tiny_tokenizer, capsys):
+    folder = save_llama(tmp_path / "llama", tiny_tokenizer, **REFUSED[named])
+    line = cli_error(["import", str(folder), "--out", str(tmp_path / "deriv")], capsys)
+    assert "This Llama checkpoint has" in line and named in line, line
+    assert not (tmp_path / "deriv").exists()
+
+
+def test_biases_in_both_attention_and_mlp_are_carried(tmp_path, tiny_tokenizer):
+    folder = save_llama(tmp_path / "llama", tiny_tokenizer, attention_bias=True, mlp_bias=True)
+    source = LlamaForCausalLM.from_pretrained(folder).eval()
+    model = DerivForCausalLM.from_pretrained(import_model(str(folder), tmp_path / "deriv")).eval()
+    assert model.config.bias is True
+    assert_same_logits(model, source)
