@@ -194,3 +194,20 @@ def test_bad_switch_values_are_refused_by_name(bad, field):
 def test_the_encoder_decoder_refuses_rotary_positions():
     with pytest.raises(Exception, match="decoder-only"):
         DerivSeq2SeqConfig(position_embedding_type="rotary")
+
+
+def test_continuous_batching_gives_the_tokens_of_generate_with_the_llama_switches():
+    """The paged cache sizes itself by `num_key_value_heads` and feeds each request its own positions: rotary
+    angles and shared key/value heads must come out as one request at a time gives them."""
+    from test_cache_guard import GREEDY, SMALL
+
+    model = modern(**LLAMA_SWITCHES)
+    prompts = [prompt(length=n, seed=n).tolist()[0] for n in (3, 7, 5)]
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), generation_config=GREEDY)[0, len(p) :].tolist() for p in prompts]
+        results = model.generate_batch(
+            inputs=prompts, generation_config=GREEDY, continuous_batching_config=SMALL, progress_bar=False
+        )
+    outputs = sorted(results.values(), key=lambda result: int(result.request_id.rsplit("_", 1)[-1]))
+    assert [result.generated_tokens for result in outputs] == alone
+    assert len({tuple(tokens) for tokens in alone}) == 3
