@@ -221,6 +221,31 @@ def test_kv_heads_that_do_not_divide_the_heads_are_one_error_line():
     ]
 
 
+LLAMA_SWITCHES = {
+    "pre_norm": True,
+    "position_embedding_type": "rotary",
+    "norm_type": "rms_norm",
+    "gated_mlp": True,
+    "hidden_act": "silu",
+    "bias": False,
+    "scale_embedding": False,
+}
+
+
+@pytest.mark.parametrize("llama, twin, kv_heads", [("llama-tiny", "tiny", 2), ("llama-124m", "gpt2-124m", 4)])
+def test_a_llama_preset_is_its_twin_with_the_llama_switches(llama, twin, kv_heads):
+    """Everything but the architecture (budget, optimisation, shape) is the twin's, and the gated MLP's
+    d_ff keeps the twin's feed-forward parameters within 1%."""
+    ours, theirs = (parse(["--preset", name])[0].to_dict() for name in (llama, twin))
+    differ = {name for name in ours if ours[name] != theirs[name]}
+    assert differ == {"preset", "output_dir", "intermediate_size", "num_key_value_heads"} | {
+        name for name in LLAMA_SWITCHES if theirs[name] != LLAMA_SWITCHES[name]
+    }
+    assert {name: ours[name] for name in LLAMA_SWITCHES} == LLAMA_SWITCHES
+    assert ours["num_key_value_heads"] == kv_heads and ours["num_attention_heads"] % kv_heads == 0
+    assert 3 * ours["intermediate_size"] == pytest.approx(2 * theirs["intermediate_size"], rel=0.01)
+
+
 def test_context_length_is_an_alias_of_max_position_embeddings():
     for flag in ("--context-length", "--max-position-embeddings"):
         assert parse([flag, "64"])[0].max_position_embeddings == 64
@@ -271,6 +296,6 @@ def test_the_preset_files_hold_the_old_presets_values(tmp_path):
                 new[name] = value
         return new
 
-    assert PRESETS == {name: renamed(v, False) for name, v in old_lm.items()}
+    assert {name: PRESETS[name] for name in old_lm} == {name: renamed(v, False) for name, v in old_lm.items()}
     assert TRANSLATION_PRESETS == {name: renamed(v, True) for name, v in old_mt.items()}
     assert CHAT_PRESETS == old_chat
