@@ -23,6 +23,7 @@ KINDS = {
     "inference": "prefill and decode tokens/s against GPT-2 (dynamic, static, compiled static cache), the floor, "
     "KV-cache memory",
     "ablation": "the paper's decoder made modern one change at a time, each trained on the main job and measured",
+    "runtimes": "batch-1 greedy decode in CTranslate2 and llama.cpp beside Deriv's and the memory-bandwidth floor",
 }
 
 

@@ -180,6 +180,7 @@ def test_export_refuses_bad_input_in_one_line(folders, tmp_path, capsys):
         ],
         "already exists": ["export", str(gpt2), "--to", "ctranslate2", "--out", str(tmp_path / "taken")],
     }
+    cases["past --context 8"] = ["bench", "runtimes", "--context", "8", "--prompt", "4", "--new-tokens", "8"]
     for expected, argv in cases.items():
         line = cli_error(argv, capsys)
         assert expected in line, (expected, line)
