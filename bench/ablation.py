@@ -43,8 +43,8 @@ import statistics
 import sysconfig
 
 from ..arguments import integer
-from ..errors import UsageError
-from .report import check_json_path, entry_point, markdown_table
+from ..errors import MissingFile, UsageError
+from .report import entry_point, markdown_table
 
 
 STEPS = ("paper", "pre_norm", "rotary", "rms_norm", "swiglu", "gqa")
@@ -130,7 +130,7 @@ def kv_bytes_per_token(config, bytes_per_element: int = 4) -> int:
 def stdlib_held_out() -> list[str]:
     """Docstrings (40 characters or more) of the standard library's `HELD_OUT_PACKAGES`, in sorted path order, each
     once, none that the default corpus also holds: text of the corpus's kind that no run trains or validates on."""
-    from ..data.corpus import _default_documents
+    from ..data.corpus import default_corpus
 
     root = sysconfig.get_paths()["stdlib"]
     missing = [p for p in HELD_OUT_PACKAGES if not os.path.isdir(os.path.join(root, p))]
@@ -139,7 +139,7 @@ def stdlib_held_out() -> list[str]:
             f"this Python has no {', '.join(missing)} in {root}, whose docstrings are the held-out text; pass "
             "--held-out FILES"
         )
-    seen, documents = set(_default_documents()), []
+    seen, documents = set(default_corpus()), []
     for package in HELD_OUT_PACKAGES:
         for path in _python_files(os.path.join(root, package)):
             for doc in _docstrings(path):
@@ -227,11 +227,8 @@ def read_results(path: str, identity: dict) -> dict:
             f"{path} is not an ablation's results file ({error}); remove it or pass another --output-dir"
         ) from None
     if saved.get("identity") != identity:
-        changed = sorted(
-            k
-            for k in set(identity["base"]) | set(saved.get("identity", {}).get("base", {}))
-            if identity["base"].get(k) != saved.get("identity", {}).get("base", {}).get(k)
-        )
+        now, then = identity["base"], (saved.get("identity") or {}).get("base", {})
+        changed = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
         raise UsageError(
             f"{path} holds the runs of an ablation with other settings ({', '.join(changed) or 'the held-out text'} "
             "differ): pass another --output-dir, or remove it to start again"
@@ -239,13 +236,22 @@ def read_results(path: str, identity: dict) -> dict:
     return {f"{r['step']}/{r['seed']}": r for r in saved["runs"]}
 
 
+def write_json(path: str, value) -> None:
+    """`value` as a JSON file, whole or not at all: written under a temporary name beside it, then renamed."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=2)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_results(path: str, identity: dict, results: dict) -> None:
-    """The results file, whole or not at all (a temporary name, then renamed)."""
+    """The results file, rewritten whole after every run."""
     runs = sorted(results.values(), key=lambda r: (STEPS.index(r["step"]), r["seed"]))
-    tmp = f"{path}.partial-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"format": FORMAT, "identity": identity, "runs": runs}, f, indent=2)
-    os.replace(tmp, path)
+    write_json(path, {"format": FORMAT, "identity": identity, "runs": runs})
 
 
 def median_logged_throughput(folder: str) -> float:
@@ -373,7 +379,7 @@ def plot(rows: list[dict], path: str) -> str:
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
         ax.grid(alpha=0.3, axis="y")
     seeds = len(rows[0]["seeds"]) if rows else 0
-    fig.suptitle(f"the ablation, one change at a time ({seeds} seeds each)")
+    fig.suptitle(f"the ablation, one change at a time ({seeds} seed{'s' if seeds != 1 else ''} each)")
     fig.tight_layout()
     save(fig, path)
     plt.close(fig)
@@ -430,8 +436,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_json_path(args.json)
-    check_json_path(args.plot)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise MissingFile(f"{flag} {path}: the folder {os.path.dirname(path) or '.'} does not exist")
     if args.plot:
         from ..folder.curve import pyplot
 
@@ -453,12 +460,15 @@ def run(args: argparse.Namespace) -> int:
             folder = os.path.join(args.output_dir, f"{step}-seed{seed}")
             results[key] = one_run(step, seed, base, folder, documents, args.cpu)
             write_results(path, identity, results)
-            print(f"{key}: validation perplexity {results[key]['val_perplexity']:.2f}")
+            done = results[key]
+            print(
+                f"{key}: validation perplexity {done['val_perplexity']:.2f}, held-out "
+                f"{done['held_out_perplexity']:.2f}, {done['tokens_per_second']:,.0f} tokens/s"
+            )
     rows = summarize(results, args.steps, args.seeds, base)
     print_table(rows, base, description)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"base": base, "held_out": description, "rows": rows}, f, indent=2)
+        write_json(args.json, {"base": base, "held_out": description, "rows": rows})
     if args.plot:
         print(f"picture: {plot(rows, args.plot)}")
     return 0

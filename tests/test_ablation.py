@@ -45,12 +45,18 @@ CLAIMED = {
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, corpus_file):
+def setup(tmp_path_factory):
+    from deriv_lm.data import default_corpus
+
     tmp = tmp_path_factory.mktemp("ablation")
+    corpus_file = tmp / "corpus.jsonl"
+    with open(corpus_file, "w") as f:  # 150 docstrings, about 47,000 characters: tokenized in a blink by each run
+        for doc in list(default_corpus())[1000:1150]:
+            f.write(json.dumps({"text": doc}) + "\n")
     config = tmp / "tiny.yaml"
     config.write_text(yaml.safe_dump({**TINY, "files": [str(corpus_file)], "cache_dir": str(tmp / "cache")}))
     held_out = tmp / "held_out.jsonl"
-    with open(held_out, "w") as f:  # documents of no run's corpus (the corpus file is the default corpus's first 120)
+    with open(held_out, "w") as f:  # documents of no run's corpus
         for doc in ablation.stdlib_held_out()[:40]:
             f.write(json.dumps({"text": doc}) + "\n")
     argv = ["bench", "ablation", "--config", str(config), "--max-steps", "2", "--seeds", "0", "--cpu"]
@@ -61,7 +67,7 @@ def setup(tmp_path_factory, corpus_file):
 @pytest.fixture(scope="module")
 def ablated(setup):
     tmp, argv = setup
-    assert main([*argv, "--json", str(tmp / "summary.json")]) == 0
+    assert main([*argv, "--json", str(tmp / "summary.json"), "--plot", str(tmp / "ablation.png")]) == 0
     summary = json.loads((tmp / "summary.json").read_text())
     return tmp, {row["step"]: row for row in summary["rows"]}
 
@@ -81,6 +87,18 @@ def test_every_step_trains_and_is_measured(ablated):
     runs = json.loads((tmp / "out" / "ablation.json").read_text())["runs"]
     assert [(r["step"], r["seed"]) for r in runs] == [(s, 0) for s in ablation.STEPS]
     assert not any(os.path.exists(tmp / "out" / f"{s}-seed0" / "checkpoints") for s in ablation.STEPS)
+
+
+def test_the_picture_is_drawn(ablated):
+    tmp, _ = ablated
+    assert (tmp / "ablation.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_no_held_out_document_is_in_the_default_corpus():
+    from deriv_lm.data import default_corpus
+
+    held_out = ablation.stdlib_held_out()
+    assert len(held_out) > 1000 and not set(held_out) & set(default_corpus())
 
 
 def test_each_step_has_exactly_the_switches_it_claims(ablated):
