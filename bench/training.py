@@ -8,7 +8,8 @@
 Each preset runs the real training command (`train_lm`: data pipeline, accelerate loop, logging)
 for a few steps with evaluation and checkpoints pushed out of the window; the figures are medians
 of the logged intervals after the first (which includes warm-up). MFU counts 6 x (matrix
-parameters) + 12 L d T FLOPs per token against this machine's measured fp32 matmul peak.
+parameters, from the real shapes: kv heads, a gated MLP's third matrix) + 12 L d T FLOPs per token against this
+machine's measured fp32 matmul peak.
 
 With --compile each preset runs twice, eager and compiled: the steady tokens/s of each and their ratio,
 the tokens/s over all the steps (compile time included), and the compile seconds (how much longer the
@@ -165,10 +166,22 @@ def print_scaling_rows(rows: list[tuple], steps: int, peak: float) -> None:
         print(f"| {preset} | {cells} | {efficiency:.2f} |")
 
 
+def matrix_parameters(a) -> int:
+    """The weights of the matrix multiplies one token passes through, from the model's real shapes: per layer
+    q and o (d x d), k and v (d x kv_heads * head_dim: fewer with grouped-query attention), and two d x d_ff
+    matrices, three when the MLP is gated; then the output projection (vocab x d). Biases, norms and a learned
+    position table are no matmul and left out."""
+    d, heads = a.hidden_size, a.num_attention_heads
+    kv_width = (a.num_key_value_heads or heads) * (d // heads)
+    attention = 2 * d * d + 2 * d * kv_width
+    mlp = (3 if a.gated_mlp else 2) * d * a.intermediate_size
+    return a.num_hidden_layers * (attention + mlp) + a.vocab_size * d
+
+
 def flops_per_token(a) -> float:
-    """6 x (matrix parameters) + 12 L d T: a training step's FLOPs per token (the PaLM appendix's count)."""
-    n_matrix = 12 * a.num_hidden_layers * a.hidden_size**2 + a.vocab_size * a.hidden_size
-    return 6 * n_matrix + 12 * a.num_hidden_layers * a.hidden_size * a.max_position_embeddings
+    """6 x (matrix parameters) + 12 L d T: a training step's FLOPs per token (the PaLM appendix's count). The
+    attention scores (12 L d T) use every query head, so grouped-query attention shrinks only the first term."""
+    return 6 * matrix_parameters(a) + 12 * a.num_hidden_layers * a.hidden_size * a.max_position_embeddings
 
 
 def run(args: argparse.Namespace) -> int:

@@ -233,3 +233,21 @@ def test_serving_bench_compares_batching_in_process_and_over_http(tmp_path, caps
     # greedy decoding has no near-ties for two kernels to break differently
     assert all(re.fullmatch(r"[0-5]/5 same tokens", r["agreement"]) for r in results["batching"])
     assert all(r["requests_per_s"] > 0 and r["tokens_per_s"] > 0 for r in results["serving"])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "gpt2-124m", "llama-124m"])
+def test_flops_count_the_real_models_matrix_parameters(preset):
+    """flops_per_token's 6 x N counts the weights of every matmul of the built model: each block's 2-D weights
+    (k and v narrower with grouped-query attention, a gated MLP's third matrix) and the output projection (the
+    tied embedding); not the biases, norms or a learned position table, which are no matmul."""
+    from deriv_lm import DerivConfig, DerivForCausalLM
+    from deriv_lm.bench.training import flops_per_token, matrix_parameters
+    from deriv_lm.training.args import PRESETS, TrainingArguments
+
+    a = TrainingArguments(**PRESETS[preset])
+    with torch.device("meta"):  # the shapes, without 124 M numbers
+        model = DerivForCausalLM(DerivConfig(vocab_size=a.vocab_size, **a.model_overrides()))
+    blocks = sum(p.numel() for name, p in model.model.layers.named_parameters() if p.dim() == 2)
+    assert matrix_parameters(a) == blocks + model.get_output_embeddings().weight.numel()
+    attention_flops = 12 * a.num_hidden_layers * a.hidden_size * a.max_position_embeddings
+    assert flops_per_token(a) == 6 * matrix_parameters(a) + attention_flops
