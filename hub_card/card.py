@@ -134,15 +134,65 @@ def _architecture(folder: ModelFolder) -> list[tuple[str, str]]:
             ),
         ]
     else:
-        rows += [("layers", c["num_hidden_layers"]), ("attention heads", c["num_attention_heads"])]
+        rows += [("layers", c["num_hidden_layers"]), ("attention heads", _heads(c))]
     rows += [
         ("hidden size (d_model)", c["hidden_size"]),
-        ("feed-forward size (d_ff)", f"{c['intermediate_size']} ({c['hidden_act']})"),
-        ("positions", f"{c['position_embedding_type']}, up to {c['max_position_embeddings']} tokens"),
-        ("normalisation", "pre-LN" if c.get("pre_norm") else "post-LN (the paper's)"),
-        ("vocabulary", f"{c['vocab_size']:,} tokens, embedding tied to the output projection"),
+        ("feed-forward size (d_ff)", _feed_forward(c)),
+        ("positions", _positions(c)),
+        ("normalisation", ("pre-LN" if c.get("pre_norm") else "post-LN (the paper's)") + f", {norm_name(c)}"),
     ]
+    if not c.get("bias", True):
+        rows.append(("biases", "none (attention, feed-forward and norms have weights only)"))
+    if not folder.is_seq2seq:
+        rows.append(("KV cache per token", kv_cache_text(c)))
+    rows.append(("vocabulary", f"{c['vocab_size']:,} tokens, embedding tied to the output projection"))
     return rows
+
+
+def kv_heads(config: dict) -> int:
+    """The key/value heads of a decoder-only config.json: `num_key_value_heads`, or one per head in a folder
+    written before grouped-query attention (which has no such field)."""
+    return config.get("num_key_value_heads") or config["num_attention_heads"]
+
+
+def kv_cache_bytes_per_token(config: dict, bytes_per_element: int = 4) -> int:
+    """2 (k and v) x layers x kv heads x head_dim x bytes: what each generated token adds to the KV cache."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * kv_heads(config) * head_dim * bytes_per_element
+
+
+def kv_cache_text(config: dict) -> str:
+    per_token = kv_cache_bytes_per_token(config)
+    return (
+        f"{per_token:,} bytes in fp32, {per_token // 2:,} in bf16 (2 x {config['num_hidden_layers']} layers x "
+        f"{kv_heads(config)} kv heads x {config['hidden_size'] // config['num_attention_heads']} dims)"
+    )
+
+
+def _heads(config: dict) -> str:
+    heads, kv = config["num_attention_heads"], kv_heads(config)
+    return str(heads) if kv == heads else f"{heads}, sharing {kv} key/value heads (grouped-query attention)"
+
+
+def _feed_forward(config: dict) -> str:
+    act = config["hidden_act"]
+    if not config.get("gated_mlp"):
+        return f"{config['intermediate_size']} ({act})"
+    name = "SwiGLU" if act == "silu" else f"gated {act}"
+    return f"{config['intermediate_size']} ({name}: fc2(act(gate(x)) * fc1(x)))"
+
+
+def _positions(config: dict) -> str:
+    kind, length = config["position_embedding_type"], config["max_position_embeddings"]
+    if kind == "rotary":
+        theta = config.get("rope_theta", 10000.0)
+        return f"rotary (RoPE, theta {theta:g}): q and k rotated in each head, up to {length} tokens"
+    return f"{kind}, up to {length} tokens"
+
+
+def norm_name(config: dict) -> str:
+    """LayerNorm or RMSNorm, as config.json says (a folder from before the switch: LayerNorm)."""
+    return "RMSNorm" if config.get("norm_type") == "rms_norm" else "LayerNorm"
 
 
 def _task_texts(run: RunRecord | None, repo: str) -> dict[str, str]:
@@ -231,6 +281,7 @@ def build_card(
         # subtle: the prose follows config.json, so an imported GPT-2 is not described with the paper's choices
         scaled_embedding=c.get("scale_embedding", True),
         positions=c["position_embedding_type"],
+        norm=norm_name(c),
         architecture=_architecture(folder),
         task=_task_texts(run, repo),
         code_files=", ".join(f"`{name}`" for name in code_files(folder)),

@@ -112,6 +112,56 @@ def test_a_folder_without_training_records_says_so(lm_folder, tmp_path):
     assert f"| parameters | {run['model']['parameters']:,} |" in card.text
 
 
+def llama_shaped_folder(folder, tokenizer_from, **overrides):
+    """A Llama-shaped Deriv folder (no run record): rotary, RMSNorm, SwiGLU, 4 heads on 2 kv heads, no biases."""
+    import torch
+
+    from deriv_lm import DerivConfig, DerivForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    shape.update(intermediate_size=96, max_position_embeddings=32, position_embedding_type="rotary", pre_norm=True)
+    shape.update(norm_type="rms_norm", gated_mlp=True, hidden_act="silu", bias=False, scale_embedding=False)
+    model = DerivForCausalLM(DerivConfig(**{**shape, **overrides}))
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, folder / name)
+    return model
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """{name: value} of the card's two-column table rows."""
+    cells = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in text.splitlines()]
+    return {row[0]: row[1] for row in cells if len(row) == 2 and row[0] and not row[0].startswith("---")}
+
+
+def test_the_architecture_names_the_modern_switches_and_the_kv_cache(lm_folder, tmp_path):
+    import torch
+
+    model = llama_shaped_folder(tmp_path / "llama", lm_folder)
+    rows = table_rows(build_card(tmp_path / "llama").text)
+    assert rows["attention heads"] == "4, sharing 2 key/value heads (grouped-query attention)"
+    assert rows["feed-forward size (d_ff)"].startswith("96 (SwiGLU")
+    assert rows["positions"].startswith("rotary (RoPE, theta 10000)")
+    assert rows["normalisation"] == "pre-LN, RMSNorm"
+    assert rows["biases"].startswith("none")
+    # the bytes each position adds to a real cache, in fp32: 2 x 3 layers x 2 kv heads x 16 dims x 4
+    out = model(torch.tensor([[5, 6, 7, 8, 9]]), use_cache=True)
+    cache = out.past_key_values
+    real = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) // 5
+    assert real == 2 * 3 * 2 * 16 * 4
+    assert rows["KV cache per token"].startswith(f"{real:,} bytes in fp32, {real // 2:,} in bf16")
+
+
+def test_a_paper_shaped_card_names_layernorm_and_every_head_caching(lm_folder):
+    card = build_card(lm_folder)
+    assert (
+        "| attention heads | 2 |" in card.text and "| normalisation | post-LN (the paper's), LayerNorm |" in card.text
+    )
+    assert "residual connections with LayerNorm" in card.text and "biases" not in card.text
+    assert "| KV cache per token | 512 bytes in fp32" in card.text  # 2 x 2 layers x 2 heads x 16 dims x 4
+
+
 def test_the_card_is_rendered_from_the_template_shipped_in_the_package(lm_folder, tmp_path, monkeypatch):
     from importlib.resources import files
 
