@@ -97,6 +97,29 @@ def own_changes(step: str, base: dict) -> dict:
     raise UsageError(f"unknown ablation step {step!r}; choose from {', '.join(STEPS)}")
 
 
+# what the first step must be for the others to add one change each: the paper's decoder in every switched field
+PAPER = {
+    "pre_norm": False,
+    "position_embedding_type": "sinusoidal",
+    "norm_type": "layer_norm",
+    "gated_mlp": False,
+    "num_key_value_heads": None,
+}
+
+
+def check_paper_base(base: dict) -> None:
+    """Refuse settings (a preset, a --config) that already have one of the changes the steps make."""
+    modern = {k: base[k] for k, v in PAPER.items() if base.get(k) != v}
+    if modern.get("num_key_value_heads") == base["num_attention_heads"]:
+        del modern["num_key_value_heads"]  # one key/value head per head is the paper's attention, spelled out
+    if modern:
+        changes = ", ".join(f"{k}={v}" for k, v in modern.items())
+        raise UsageError(
+            f"the ablation starts from the paper's decoder, and preset {base['preset']} (with any --config) already "
+            f"has {changes}; use --preset tiny or small, or a --config without those values"
+        )
+
+
 def step_overrides(step: str, base: dict) -> dict:
     """Every override of `step`: its own and those of all the steps before it."""
     overrides: dict = {}
@@ -444,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
 
         pyplot()  # a missing matplotlib is found now, not after hours of training
     base = base_settings(args.preset, args.config, args.max_steps)
+    check_paper_base(base)
     for step in args.steps:
         step_overrides(step, base)  # an impossible step (gqa with odd heads) is refused before any training
     documents, description = held_out_text(args.held_out)

@@ -190,3 +190,11 @@ def test_bad_flags_are_one_clear_line(flags, says, tmp_path, capsys):
     assert stop.value.code == 2 and len(lines) == 1 and says in lines[0], err
     assert "deriv: error:" in lines[0] or "error: argument" in lines[0]
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_preset_past_the_paper_is_refused(tmp_path, capsys):
+    """Starting from llama-tiny, every step would already be modern: one line naming what it has."""
+    assert main(["bench", "ablation", "--preset", "llama-tiny", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("deriv: error: the ablation starts from the paper's decoder") and "pre_norm=True" in err
+    assert len(err.splitlines()) == 1 and not os.path.exists(tmp_path / "out")
