@@ -58,10 +58,11 @@ def folders(tmp_path_factory, tiny_tokenizer):
     root = tmp_path_factory.mktemp("runtimes")
     llama = redrawn(DerivForCausalLM(DerivConfig(**{**TINY, **LLAMA, **SPECIALS})))
     gpt2 = redrawn(DerivForCausalLM(DerivConfig(**{**TINY, **GPT2, **SPECIALS})))
-    marian = redrawn(
-        DerivForConditionalGeneration(DerivSeq2SeqConfig(**{**TINY_SEQ2SEQ, **SPECIALS, "decoder_start_token_id": 1})),
-        scale=1.0,
+    # a random post-LN translator tends to repeat one token per source; SiLU at this scale varies within some
+    marian_config = DerivSeq2SeqConfig(
+        **{**TINY_SEQ2SEQ, **SPECIALS, "decoder_start_token_id": 1, "hidden_act": "silu"}
     )
+    marian = redrawn(DerivForConditionalGeneration(marian_config), scale=0.15)
     return {
         name: (model, save(model, root / name, tiny_tokenizer))
         for name, model in (("llama", llama), ("gpt2", gpt2), ("marian", marian))
@@ -106,9 +107,9 @@ def test_ctranslate2_float32_decodes_derivs_greedy_and_beam_tokens(shape, folder
     assert os.path.getsize(os.path.join(int8, "model.bin")) < os.path.getsize(os.path.join(float32, "model.bin")) / 2
     for beams in (1, 4):
         expected = deriv_tokens(model, beams)
-        # the decoders' references vary from step to step; a random tiny post-LN translator repeats one token per
-        # source (every redraw tried), so there the float32 check is weaker: positions are not exercised by it
-        assert len(set(expected)) > 2 or encoder_decoder, expected
+        # the greedy reference is not one token repeated (the translator's, over its sources); random tiny models
+        # often collapse to one token, which would hide a runtime that loses positions or its cache
+        assert beams > 1 or len(set(expected)) > 1, expected
         assert ct2_tokens(float32, tiny_tokenizer, encoder_decoder, beams) == expected, (shape, beams)
         got = ct2_tokens(int8, tiny_tokenizer, encoder_decoder, beams)
         print(
