@@ -16,9 +16,9 @@ default corpus, 16 x 128 tokens a step, its schedule and step budget):
     gqa        + num_key_value_heads = num_attention_heads / 2
 
 Each (step, seed) is one run of `train_lm`, the code `deriv train lm` runs, with `--seed SEED` (which seeds the
-initialisation, the data order, dropout and the validation split alike). For each step the table gives the
-parameters, the KV-cache bytes per token (2 x layers x kv_heads x head_dim x 4, fp32), validation and held-out
-perplexity as the mean and sample standard deviation over the seeds (the JSON adds min and max), and training
+initialisation, the data order, dropout, the validation split and so the tokenizer alike). For each step the table
+gives the parameters, the KV-cache bytes per token (2 x layers x kv_heads x head_dim x 4, fp32), validation and
+held-out perplexity as the mean and sample standard deviation over the seeds (the JSON adds min and max), and training
 tokens/s: for each run the median of the trainer's logged intervals after the first (which includes warm-up;
 evaluation and checkpoints are outside its clock), then the median over seeds.
 
@@ -27,8 +27,9 @@ run reads at all, the same for every run: the docstrings of the standard library
 which the default corpus leaves out (`data.corpus`; any one also in the corpus is dropped), packed and scored as
 validation is (documents + <eos> in blocks of the context, the model's own loss); `--held-out FILES` for other text.
 
-Results go to OUTPUT_DIR/ablation.json, rewritten whole after every run: a run that is stopped and started again
-with the same settings skips the (step, seed) pairs it finished; the run it was in starts over.
+The runs go seed by seed, all the steps of one seed before the next. Results go to OUTPUT_DIR/ablation.json,
+rewritten whole after every run: an ablation that is stopped and started again with the same settings skips the
+(step, seed) pairs it finished; the run it was in starts over.
 """
 
 from __future__ import annotations
@@ -475,8 +476,10 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, RESULTS)
     results = read_results(path, identity)
-    for step in args.steps:
-        for seed in args.seeds:
+    # seed by seed, every step within each: a slower hour of the machine then falls on all steps alike, and a
+    # stopped ablation already has whole seeds
+    for seed in args.seeds:
+        for step in args.steps:
             key = f"{step}/{seed}"
             if key in results:
                 print(f"{key}: done earlier, skipped")
