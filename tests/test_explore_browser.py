@@ -432,3 +432,35 @@ def test_an_imported_gpt2_and_an_int8_folder_open_on_the_page(kind, chromium, ma
         assert console_errors(chromium) == []
     finally:
         assert server.stop() == 0, server.log_tail()
+
+
+def test_a_llama_shaped_folder_shows_its_kv_heads_and_no_position_strip(chromium, tmp_path):
+    """Rotary positions add nothing to the first layer's input: the page draws the token and sum strips only and
+    says where the positions went; the header names the kv heads, RMSNorm and SwiGLU."""
+    import shutil
+
+    from deriv_lm import DerivConfig, DerivForCausalLM
+
+    folder = tmp_path / "llama-shaped"
+    torch.manual_seed(0)
+    shape = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    shape.update(intermediate_size=96, max_position_embeddings=64, position_embedding_type="rotary", pre_norm=True)
+    shape.update(norm_type="rms_norm", gated_mlp=True, hidden_act="silu", bias=False, scale_embedding=False)
+    DerivForCausalLM(DerivConfig(**shape)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(LM, name), folder / name)
+    server = ServerProcess(str(folder), command="explore", log=tmp_path / "explore.log")
+    try:
+        open_page(chromium, server)
+        replace_text(chromium, "prompt", PROMPT)
+        equation = chromium.find_element(By.ID, "embedding-equation").text
+        assert equation == "x = E[t] (rotary: positions rotate q and k in each head)"
+        strips = chromium.find_elements(By.CSS_SELECTOR, "#strips .strip-figure")
+        assert [s.get_attribute("data-kind") for s in strips] == ["token", "sum"]
+        assert "rotary: positions rotate q and k in each head" in chromium.find_element(By.ID, "embedding-note").text
+        facts = chromium.find_element(By.ID, "model-facts").text
+        assert "4 heads (2 key/value)" in facts and "(RMSNorm)" in facts and "SwiGLU" in facts and "no biases" in facts
+        assert chromium.find_element(By.ID, "error").text == ""
+        assert console_errors(chromium) == []
+    finally:
+        assert server.stop() == 0, server.log_tail()

@@ -224,10 +224,38 @@ def real_cache_bytes(cache) -> tuple[int, int]:
     return size(cache), 0
 
 
-@pytest.mark.parametrize("which", ["lm", "mt"])
+@pytest.fixture(scope="module")
+def llama_shaped(tmp_path_factory):
+    """A tiny folder with Llama's shape: rotary positions, RMSNorm, SwiGLU, 4 heads sharing 2 key/value heads."""
+    folder = tmp_path_factory.mktemp("llama") / "llama-shaped"
+    torch.manual_seed(0)
+    config = DerivConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=32,
+        position_embedding_type="rotary",
+        norm_type="rms_norm",
+        gated_mlp=True,
+        hidden_act="silu",
+        bias=False,
+        pre_norm=True,
+        scale_embedding=False,
+        dropout=0.0,
+    )
+    DerivForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DATA, "numbers_lm", name), folder / name)
+    return Explorer.open(folder)
+
+
+@pytest.mark.parametrize("which", ["lm", "mt", "llama_shaped"])
 def test_the_cache_formula_is_the_real_caches_bytes(which, request):
     ex = request.getfixturevalue(which)
-    text = LM_TEXT if which == "lm" else SOURCE
+    text = SOURCE if which == "mt" else LM_TEXT
     inputs = {"text": text, "target_ids": []} if ex.seq2seq else {"text": text}
     got = generate_steps(ex, inputs, {}, mode="greedy", steps=3)
     out = ex.model.generate(
@@ -624,3 +652,31 @@ def test_an_int8_folder_analyzes(tmp_path):
     assert sum(c["probability"] for c in got["next"]["candidates"]) <= 1.0 + 1e-6
     steps = generate_steps(ex, {"text": LM_TEXT}, steps=2)
     assert steps["steps"][-1]["cache_bytes"] == steps["cache"]["final_bytes"]
+
+
+def test_grouped_query_attention_caches_only_the_key_value_heads(llama_shaped):
+    facts = info(llama_shaped)
+    assert (facts["heads"], facts["kv_heads"], facts["head_dim"]) == (4, 2, 16)
+    got = generate_steps(llama_shaped, {"text": LM_TEXT}, {}, mode="greedy", steps=2)
+    assert "= 2 x 2 x 2 x 16 x positions x 4" in got["cache"]["formula"]  # kv heads, not the 4 heads
+    assert got["steps"][0]["cache_bytes"] == 2 * 2 * 2 * 16 * 4 * got["steps"][0]["cache_positions"]
+
+
+def test_rotary_positions_add_no_vector_to_the_first_layers_input(llama_shaped):
+    facts = info(llama_shaped)
+    assert (facts["position_type"], facts["norm_type"], facts["gated_mlp"], facts["bias"]) == (
+        "rotary",
+        "rms_norm",
+        True,
+        False,
+    )
+    assert facts["rope_theta"] == 10000.0
+    inputs = {"text": LM_TEXT}
+    got = analyze(llama_shaped, inputs)["embeddings"]
+    assert "position" not in got and "position" not in got["norms"]
+    assert got["position_note"] == "rotary: positions rotate q and k in each head"
+    received = first_layer_input(llama_shaped, inputs)
+    assert torch.equal(decode(got["sum"]), received[:, : got["dims"]]) and torch.equal(
+        decode(got["token"]), decode(got["sum"])
+    )
+    assert got["norms"]["sum"] == pytest.approx(received.norm(dim=-1).tolist(), abs=1e-4)

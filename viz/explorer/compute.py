@@ -143,6 +143,21 @@ def _stack_facts(ex: Explorer) -> tuple[int, int]:
     return config.num_hidden_layers, config.num_attention_heads
 
 
+def _kv_heads(ex: Explorer) -> int:
+    """The key/value heads the decoder caches: fewer than its heads with grouped-query attention (a translation
+    model, and a folder from before the switch, have one per head)."""
+    heads = _stack_facts(ex)[1]
+    return getattr(ex.model.config, "num_key_value_heads", None) or heads
+
+
+def _rotary(ex: Explorer) -> bool:
+    return ex.model.config.position_embedding_type == "rotary"
+
+
+# What the page says instead of an additive position strip, for a folder whose positions are rotary.
+ROTARY_NOTE = "rotary: positions rotate q and k in each head"
+
+
 def _tokenizer_kind(ex: Explorer) -> str:
     return ex.backend().get("model", {}).get("type") or type(ex.tokenizer).__name__
 
@@ -157,7 +172,7 @@ def info(ex: Explorer) -> dict:
         "model_type": config.model_type,
         "layers": layers,
         "heads": heads,
-        "kv_heads": heads,  # every head has its own keys and values (no grouped-query attention)
+        "kv_heads": _kv_heads(ex),
         "hidden_size": config.hidden_size,
         "head_dim": config.hidden_size // heads,
         "vocab_size": ex.vocab_size,
@@ -165,6 +180,9 @@ def info(ex: Explorer) -> dict:
         "position_type": config.position_embedding_type,
         "embed_scale": float(scale),
         "pre_norm": bool(config.pre_norm),
+        "norm_type": getattr(config, "norm_type", "layer_norm"),
+        "gated_mlp": bool(getattr(config, "gated_mlp", False)),
+        "bias": bool(getattr(config, "bias", True)),
         "activation": config.hidden_act,
         "dtype": str(ex.model.dtype).removeprefix("torch."),
         "quantized": _is_quantized(ex.model),
@@ -174,6 +192,8 @@ def info(ex: Explorer) -> dict:
     if ex.seq2seq:
         facts["encoder_layers"] = config.encoder_layers
         facts["decoder_layers"] = config.decoder_layers
+    if _rotary(ex):
+        facts["rope_theta"] = float(config.rope_theta)
     return facts
 
 
@@ -514,25 +534,28 @@ def _token_embedding(ex: Explorer):
 def _embeddings(ex: Explorer, ids: list[int]) -> dict:
     """The first layer's input, in its two parts: the (scaled) token vectors and the positions' vectors, looked
     up by the model's own embedding modules (the encoder's, for a translation model). The three [tokens][dims]
-    arrays are `encode`d: at a full context of the small preset they were 1 MB as decimal JSON."""
+    arrays are `encode`d: at a full context of the small preset they were 1 MB as decimal JSON. Rotary positions
+    add nothing to the input (they turn q and k in every layer): no `position`, the sum is the token vectors,
+    and `position_note` says where the positions went."""
     stack = ex.model.model.encoder if ex.seq2seq else ex.model.model
     device = ex.model.device
     token = stack.embed_tokens(torch.tensor([ids], device=device))[0].float()
-    position = stack.embed_positions(torch.arange(len(ids), device=device).unsqueeze(0))[0].float()
-    total = token + position
+    parts = {"token": token}
+    if not _rotary(ex):
+        parts["position"] = stack.embed_positions(torch.arange(len(ids), device=device).unsqueeze(0))[0].float()
+    parts["sum"] = sum(parts.values())
     shown = min(ex.model.config.hidden_size, SHOWN_DIMS)
-    return {
+    facts = {
         "hidden_size": ex.model.config.hidden_size,
         "dims": shown,
         "position_type": ex.model.config.position_embedding_type,
         "embed_scale": float(stack.embed_tokens.embed_scale),
-        "token": encode(token[:, :shown]),
-        "position": encode(position[:, :shown]),
-        "sum": encode(total[:, :shown]),
-        "norms": {
-            name: t.norm(dim=-1).tolist() for name, t in (("token", token), ("position", position), ("sum", total))
-        },
+        **{name: encode(t[:, :shown]) for name, t in parts.items()},
+        "norms": {name: t.norm(dim=-1).tolist() for name, t in parts.items()},
     }
+    if _rotary(ex):
+        facts["position_note"] = ROTARY_NOTE
+    return facts
 
 
 # kind -> (query side, key side, causal), in the order the page offers them: the first is the one shown first,
@@ -722,13 +745,15 @@ def returned_cache(out):
 
 def _cache_facts(ex: Explorer, checked: Inputs) -> tuple[int, int, str]:
     """(bytes per position of the self-attention cache, bytes of a translation model's cross-attention cache,
-    the formula): keys and values, for every layer and head of the decoder."""
+    the formula): keys and values, for every layer and key/value head of the decoder (with grouped-query
+    attention the cache holds the kv heads un-repeated, so fewer than the heads)."""
     layers, heads = _stack_facts(ex)
+    kv_heads = _kv_heads(ex)
     head_dim = ex.model.config.hidden_size // heads
     width = _dtype_bytes(ex)
-    per_token = 2 * layers * heads * head_dim * width
+    per_token = 2 * layers * kv_heads * head_dim * width
     formula = "2 x layers x kv_heads x head_dim x positions x bytes"
-    formula += f" = 2 x {layers} x {heads} x {head_dim} x positions x {width}"
+    formula += f" = 2 x {layers} x {kv_heads} x {head_dim} x positions x {width}"
     if not ex.seq2seq:
         return per_token, 0, formula
     source = len(checked.ids)

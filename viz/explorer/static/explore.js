@@ -315,8 +315,12 @@ function drawInfo(info) {
   const facts = [
     `${info.kind} (${info.model_type})`, layers, `${info.heads} heads (${info.kv_heads} key/value)`,
     `d = ${info.hidden_size}`, `d_k = ${info.head_dim}`, `vocabulary ${info.vocab_size}`,
-    `context ${info.context}`, `${info.position_type} positions`, info.pre_norm ? "pre-norm" : "post-norm",
-    info.activation, info.dtype + (info.quantized ? " (quantized)" : ""), `${info.tokenizer} tokenizer`,
+    `context ${info.context}`,
+    info.position_type === "rotary" ? `rotary positions (θ ${info.rope_theta})` : `${info.position_type} positions`,
+    (info.pre_norm ? "pre-norm" : "post-norm") + (info.norm_type === "rms_norm" ? " (RMSNorm)" : " (LayerNorm)"),
+    info.gated_mlp ? (info.activation === "silu" ? "SwiGLU" : `gated ${info.activation}`) : info.activation,
+    ...(info.bias === false ? ["no biases"] : []),
+    info.dtype + (info.quantized ? " (quantized)" : ""), `${info.tokenizer} tokenizer`,
   ];
   $("model-facts").textContent = facts.join(" · ");
   const defaults = info.defaults || {};
@@ -327,7 +331,8 @@ function drawInfo(info) {
   $("target-box").hidden = info.kind !== "seq2seq";
   const scale = info.embed_scale !== 1 ? "√d·E[t]" : "E[t]";
   const position = info.position_type === "learned" ? "P[pos]" : "PE(pos)";
-  $("embedding-equation").textContent = `x = ${scale} + ${position}`;
+  $("embedding-equation").textContent = info.position_type === "rotary"
+    ? `x = ${scale} (rotary: positions rotate q and k in each head)` : `x = ${scale} + ${position}`;
 }
 
 // --- 1. tokens ---------------------------------------------------------------------------------------------
@@ -380,22 +385,24 @@ function mergeNode(node) {
 
 function drawEmbeddings() {
   const e = {...state.analysis.embeddings};
-  for (const kind of ["token", "position", "sum"]) e[kind] = rowsOf(e[kind]);
+  // rotary positions add no vector to the input (they turn q and k in each head): no position strip
+  const kinds = e.position ? ["token", "position", "sum"] : ["token", "sum"];
+  for (const kind of kinds) e[kind] = rowsOf(e[kind]);
   const tokens = state.analysis.tokens;
   let limit = 0;
-  for (const kind of ["token", "position", "sum"]) {
+  for (const kind of kinds) {
     for (const row of e[kind]) for (const v of row) limit = Math.max(limit, Math.abs(v));
   }
   const shown = e.dims < e.hidden_size ? `the first ${e.dims} of ${e.hidden_size} dimensions` : `all ${e.dims} dimensions`;
-  $("embedding-note").textContent = `Rows: tokens; columns: ${shown}; one colour scale for the three ` +
+  $("embedding-note").textContent = `Rows: tokens; columns: ${shown}; one colour scale for the ${kinds.length} ` +
     `(blue negative, red positive, ±${limit.toFixed(2)}); ‖·‖: the norm of the whole vector. ` +
-    `Scale √d = ${e.embed_scale.toFixed(3)}.`;
+    `Scale √d = ${e.embed_scale.toFixed(3)}.` + (e.position_note ? ` No position vector is added (${e.position_note}).` : "");
   const titles = {
     token: e.embed_scale !== 1 ? "√d·E[t]: the token's embedding, scaled" : "E[t]: the token's embedding",
     position: e.position_type === "learned" ? "P[pos]: the learned position vector" : "PE(pos): sinusoidal",
-    sum: "x = their sum: what the first layer reads",
+    sum: e.position ? "x = their sum: what the first layer reads" : "x = the token's embedding: what the first layer reads",
   };
-  $("strips").replaceChildren(...["token", "position", "sum"].map((kind) => strip(kind, titles[kind], e, tokens, limit)));
+  $("strips").replaceChildren(...kinds.map((kind) => strip(kind, titles[kind], e, tokens, limit)));
 }
 
 function strip(kind, title, e, tokens, limit) {
