@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from ..errors import UsageError
+from ..errors import UsageError, refused_as_usage
 from ..folder.atomic import atomic_directory
 from .folders import EXPORTERS, model_type
 
@@ -51,6 +51,20 @@ def twin_kind(folder: str | os.PathLike) -> str:
     return "llama" if rotary else "gpt2"
 
 
+def _refuse_two_vocabularies(folder: str | os.PathLike) -> None:
+    """CTranslate2's Marian loader builds both vocabularies from the one tokenizer it loads, so a translator
+    whose target has a vocabulary of its own cannot convert; say so before the twin is written."""
+    from ..folder.load import read_folder
+
+    config = read_folder(folder).config
+    source, target = config.get("vocab_size"), config.get("decoder_vocab_size")
+    if target is not None and target != source:
+        raise UsageError(
+            f"{folder} has two vocabularies (vocab_size={source}, decoder_vocab_size={target}); CTranslate2's "
+            "Marian converter reads one tokenizer for both, so --to ctranslate2 takes a shared vocabulary only."
+        )
+
+
 def export_ctranslate2(folder: str | os.PathLike, out: str | os.PathLike, quantization: str = "float32") -> str:
     """Write `folder` as a CTranslate2 model folder `out` (model.bin, config.json, the vocabulary), its weights in
     `quantization`; `out` must not exist yet."""
@@ -59,12 +73,15 @@ def export_ctranslate2(folder: str | os.PathLike, out: str | os.PathLike, quanti
     if os.path.exists(out):
         raise UsageError(f"--out {out} already exists; choose a new folder.")
     kind = twin_kind(folder)
+    if kind == "marian":
+        _refuse_two_vocabularies(folder)
     if kind not in EXPORTERS and model_type(folder) != kind:
         raise UsageError(f"{folder} needs a {kind} twin, and deriv export has no {kind} exporter in this version.")
     with tempfile.TemporaryDirectory(prefix="deriv-ct2-") as scratch:
         native = str(folder) if model_type(folder) == kind else EXPORTERS[kind](folder, os.path.join(scratch, kind))
         with atomic_directory(out) as tmp:
-            converter_for(kind, native).convert(tmp, quantization=quantization, force=True)
+            with refused_as_usage(f"{folder} (CTranslate2's converter, on its {kind} twin)"):
+                converter_for(kind, native).convert(tmp, quantization=quantization, force=True)
             _name_missing_specials(tmp, native)
     return str(out)
 

@@ -181,6 +181,17 @@ def test_export_refuses_bad_input_in_one_line(folders, tmp_path, capsys):
         ],
         "already exists": ["export", str(gpt2), "--to", "ctranslate2", "--out", str(tmp_path / "taken")],
     }
+    two = DerivSeq2SeqConfig(**{**TINY_SEQ2SEQ, **SPECIALS, "share_encoder_decoder_embeddings": False})
+    two.decoder_vocab_size = 260
+    DerivForConditionalGeneration(two).save_pretrained(tmp_path / "two")
+    cases["has two vocabularies"] = [
+        "export",
+        str(tmp_path / "two"),
+        "--to",
+        "ctranslate2",
+        "--out",
+        str(tmp_path / "a"),
+    ]
     cases["past --context 8"] = ["bench", "runtimes", "--context", "8", "--prompt", "4", "--new-tokens", "8"]
     for expected, argv in cases.items():
         line = cli_error(argv, capsys)
