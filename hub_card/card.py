@@ -145,7 +145,12 @@ def _architecture(folder: ModelFolder) -> list[tuple[str, str]]:
         rows.append(("biases", "none (attention, feed-forward and norms have weights only)"))
     if not folder.is_seq2seq:
         rows.append(("KV cache per token", kv_cache_text(c)))
-    rows.append(("vocabulary", f"{c['vocab_size']:,} tokens, embedding tied to the output projection"))
+    tied = (
+        "embedding tied to the output projection"
+        if c.get("tie_word_embeddings", True)
+        else "its own output projection"
+    )
+    rows.append(("vocabulary", f"{c['vocab_size']:,} tokens, {tied}"))
     return rows
 
 
@@ -282,6 +287,7 @@ def build_card(
         scaled_embedding=c.get("scale_embedding", True),
         positions=c["position_embedding_type"],
         norm=norm_name(c),
+        tied=c.get("tie_word_embeddings", True),
         architecture=_architecture(folder),
         task=_task_texts(run, repo),
         code_files=", ".join(f"`{name}`" for name in code_files(folder)),

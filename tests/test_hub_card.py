@@ -153,6 +153,15 @@ def test_the_architecture_names_the_modern_switches_and_the_kv_cache(lm_folder, 
     assert rows["KV cache per token"].startswith(f"{real:,} bytes in fp32, {real // 2:,} in bf16")
 
 
+def test_an_untied_model_is_not_described_as_tied(lm_folder, tmp_path):
+    """Llama checkpoints mostly have their own output projection: the card says so, in the table and the prose."""
+    llama_shaped_folder(tmp_path / "own-head", lm_folder, tie_word_embeddings=False)
+    text = build_card(tmp_path / "own-head").text
+    assert table_rows(text)["vocabulary"] == "300 tokens, its own output projection"
+    assert "an output projection of its own" in " ".join(text.split()) and "tied" not in text
+    assert "embedding tied to the output projection" in build_card(lm_folder).text
+
+
 def test_a_paper_shaped_card_names_layernorm_and_every_head_caching(lm_folder):
     card = build_card(lm_folder)
     assert (
