@@ -59,6 +59,20 @@ def losses(args) -> list[float]:
         return [r["train_loss"] for r in map(json.loads, f) if "train_loss" in r]
 
 
+# The runs here train the Llama-shaped decoder (the paper's trains in the other training tests): sharding, gathering
+# and resuming must hold for rotary positions, RMSNorm, the gate and grouped-query attention too.
+LLAMA = dict(
+    pre_norm=True,
+    position_embedding_type="rotary",
+    norm_type="rms_norm",
+    gated_mlp=True,
+    hidden_act="silu",
+    num_key_value_heads=1,
+    bias=False,
+    scale_embedding=False,
+)
+
+
 def two_process_args(tmp_path, corpus_file, reference, name: str):
     """Batch 4 on each of two processes: the global batch of the reference's 4 x 2 accumulation steps."""
     return tiny_args(
@@ -73,6 +87,7 @@ def two_process_args(tmp_path, corpus_file, reference, name: str):
         log_every=1,
         cache_dir=reference.cache_dir,
         tokenizer=os.path.join(reference.output_dir, "tokenizer"),
+        **LLAMA,
     )
 
 
@@ -88,6 +103,7 @@ def one_process(tmp_path_factory, corpus_file):
         eval_every=4,
         save_every=4,
         log_every=1,
+        **LLAMA,
     )
     train_lm(args, cpu=True)
     return args
@@ -139,6 +155,7 @@ def test_the_fsdp_export_is_the_whole_model_and_loads_in_a_clean_process(fsdp_ru
     whole = load_file(os.path.join(args.output_dir, "model.safetensors"))
     reference = load_file(os.path.join(one_process.output_dir, "model.safetensors"))
     assert whole.keys() == reference.keys()
+    assert any(".mlp.gate." in name for name in whole) and not any(name.endswith(".bias") for name in whole)
     for name in whole:
         assert whole[name].shape == reference[name].shape, name
         torch.testing.assert_close(whole[name], reference[name], atol=1e-4, rtol=0)

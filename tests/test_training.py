@@ -147,8 +147,18 @@ def cli_flags(args: TrainingArguments) -> list[str]:
         "samples",
         "num_proc",
         "dropout",
+        # the architecture's switches (test_distributed trains the Llama-shaped decoder)
+        "hidden_act",
+        "pre_norm",
+        "position_embedding_type",
+        "norm_type",
+        "gated_mlp",
+        "num_key_value_heads",
+        "bias",
+        "scale_embedding",
     ):
-        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return ["train", "lm", "--cpu", "--no-progress", *flags]
 
 
