@@ -28,7 +28,7 @@ import time
 import torch
 
 from ..arguments import integer
-from ..errors import UsageError, require_extra
+from ..errors import UsageError, refused_as_usage, require_extra
 from .decoder import add_shape_arguments
 from .inference import memory_bandwidth, weight_bytes
 from .report import check_json_path, entry_point, markdown_table
@@ -50,10 +50,18 @@ def llama_shaped_folder(args, folder: str) -> torch.nn.Module:
     from ..modeling_deriv import DerivConfig, DerivForCausalLM
     from ..tokenization.bpe import save_tokenizer, train_bpe
 
+    with refused_as_usage(f"--hidden {args.hidden} --heads {args.heads} --kv-heads {args.kv_heads or args.heads}"):
+        config = llama_shaped_config(args, DerivConfig)  # before the tokenizer is trained: a bad shape fails at once
     tokenizer, _ = train_bpe(default_corpus().documents(), args.vocab, progress=False)
     save_tokenizer(tokenizer, folder)
     torch.manual_seed(0)
-    config = DerivConfig(
+    model = DerivForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def llama_shaped_config(args, config_class):
+    return config_class(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
@@ -74,9 +82,6 @@ def llama_shaped_folder(args, folder: str) -> torch.nn.Module:
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = DerivForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    return model
 
 
 def decode_rate(decode, prompt: list[int], new_tokens: int, repeats: int) -> float:
@@ -166,6 +171,10 @@ def run(args) -> int:
     require_extra("runtimes", "deriv bench runtimes")
     if args.prompt + args.new_tokens > args.context:
         raise UsageError(f"--prompt + --new-tokens = {args.prompt + args.new_tokens}: past --context {args.context}")
+    if args.hidden_act != "relu" or args.pre_norm:
+        raise UsageError(
+            "--hidden-act and --pre-norm are the decoder bench's: bench runtimes builds Llama's shape (SiLU, pre-norm)"
+        )
     from ..convert import export_model
 
     torch.set_num_threads(args.threads)

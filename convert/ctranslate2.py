@@ -24,7 +24,9 @@ import tempfile
 
 from ..errors import UsageError, refused_as_usage
 from ..folder.atomic import atomic_directory
+from ..folder.load import read_folder
 from .folders import EXPORTERS, model_type
+from .llama import refuse_other_activations
 
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32")
@@ -36,8 +38,6 @@ _NATIVE = ("gpt2", "llama", "marian")
 def twin_kind(folder: str | os.PathLike) -> str:
     """Which native twin a folder converts through: marian for an encoder-decoder, llama for a rotary decoder
     (the Llama-shaped switches), gpt2 for any other decoder (the GPT-2 exporter says which switches differ)."""
-    from ..folder.load import read_folder
-
     kind = model_type(folder)
     if kind in _NATIVE:
         return kind
@@ -54,8 +54,6 @@ def twin_kind(folder: str | os.PathLike) -> str:
 def _refuse_two_vocabularies(folder: str | os.PathLike) -> None:
     """CTranslate2's Marian loader builds both vocabularies from the one tokenizer it loads, so a translator
     whose target has a vocabulary of its own cannot convert; say so before the twin is written."""
-    from ..folder.load import read_folder
-
     config = read_folder(folder).config
     source, target = config.get("vocab_size"), config.get("decoder_vocab_size")
     if target is not None and target != source:
@@ -75,6 +73,8 @@ def export_ctranslate2(folder: str | os.PathLike, out: str | os.PathLike, quanti
     kind = twin_kind(folder)
     if kind == "marian":
         _refuse_two_vocabularies(folder)
+    if kind == "llama":
+        refuse_other_activations(folder, read_folder(folder).config.get("hidden_act", "silu"), "CTranslate2")
     if kind not in EXPORTERS and model_type(folder) != kind:
         raise UsageError(f"{folder} needs a {kind} twin, and deriv export has no {kind} exporter in this version.")
     with tempfile.TemporaryDirectory(prefix="deriv-ct2-") as scratch:

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..errors import MissingFile, UsageError
+from ..errors import MissingFile, UsageError, refused_as_usage
 from ..folder.atomic import atomic_directory
 from ..folder.load import load_weights, read_folder
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
@@ -206,7 +206,9 @@ def import_llama(source: str, out: str | os.PathLike) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _refuse_existing(out)
-    llama.deriv_config(LlamaConfig.from_pretrained(source))  # refuses before reading what may be gigabytes
+    with refused_as_usage(f"{source}'s config.json"):  # a LlamaConfig that cannot exist, named in one line
+        config = LlamaConfig.from_pretrained(source)
+    llama.deriv_config(config)  # refuses before reading what may be gigabytes
     model = llama_twin(load_weights(LlamaForCausalLM, source)).eval()
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(source, tmp, model)

@@ -77,12 +77,14 @@ def llama_shaped(folder: str | os.PathLike):
     kind = model_type(folder)
     if kind != "deriv":
         raise UsageError(f"{folder} is a {kind!r} model; deriv export --to gguf writes Llama-shaped Deriv decoders.")
+    _tokenizer(folder)  # refused before the weights are read
     model = load_weights(DerivForCausalLM, folder).eval()
     config = llama.llama_config(model.config)  # names the switches that are off
     if model.config.bias:
         raise UsageError(
             f"{folder} has bias=True; llama.cpp's Llama has no projection biases (train with bias=False)."
         )
+    llama.refuse_other_activations(folder, model.config.hidden_act, "llama.cpp")
     return model, config
 
 
@@ -138,18 +140,27 @@ def _add_hyperparameters(writer, config, outtype: str) -> None:
 def _add_tokenizer(writer, folder, model) -> None:
     tokens, types, merges = vocabulary(folder, model.config.vocab_size)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    # subtle: "gpt-2" is GPT-2's split (the ByteLevel pre-tokenizer's regex, Deriv's); llama.cpp's "default" splits
+    # punctuation runs and digit groups otherwise, and " (x)" or " 1234" would tokenize differently
+    writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     for setter, token_id in (
         (writer.add_bos_token_id, model.config.bos_token_id),
-        (writer.add_eos_token_id, model.config.eos_token_id),
+        # a list of end tokens (a chat model's) goes in as its first: GGUF has one eos id
+        (writer.add_eos_token_id, _first(model.config.eos_token_id)),
         (writer.add_pad_token_id, model.config.pad_token_id),
     ):
         if token_id is not None:
             setter(token_id)
     writer.add_add_bos_token(False)  # subtle: Deriv's tokenizer adds no <bos>; llama.cpp would add one by default
+
+
+def _first(token_id: int | list[int] | None) -> int | None:
+    if isinstance(token_id, list):
+        return token_id[0] if token_id else None
+    return token_id
 
 
 def _add_tensor(writer, name: str, array: np.ndarray, outtype: str) -> None:

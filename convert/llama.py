@@ -121,6 +121,16 @@ def deriv_config(llama) -> DerivConfig:
     )
 
 
+def refuse_other_activations(folder, hidden_act: str, runtime: str) -> None:
+    """CTranslate2's and llama.cpp's Llama always gate with SiLU (transformers' reads `hidden_act`), so a Llama-shaped
+    folder with another activation would convert and then compute another function: refuse it by name."""
+    if hidden_act != "silu":
+        raise UsageError(
+            f"{folder} has hidden_act={hidden_act!r}; {runtime}'s Llama always gates with SiLU (hidden_act='silu'), "
+            "so it would run another network."
+        )
+
+
 def llama_config(config: DerivConfig):
     """The `LlamaConfig` of a Deriv decoder that has Llama's switches; says which switches are off otherwise.
 

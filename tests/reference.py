@@ -63,13 +63,14 @@ def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tens
     def norm(v, prefix):
         if config.norm_type == "rms_norm":
             return rms_norm(v, sd[prefix + ".weight"], config.layer_norm_eps)
-        return layer_norm(v, sd[prefix + ".weight"], sd.get(prefix + ".bias", 0.0), config.layer_norm_eps)
+        bias = sd[prefix + ".bias"] if config.bias else 0.0  # a bias the model forgot is a KeyError here
+        return layer_norm(v, sd[prefix + ".weight"], bias, config.layer_norm_eps)
 
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
 
         def lin(name, v, p=p):
-            return v @ sd[p + name + ".weight"].T + sd.get(p + name + ".bias", 0.0)
+            return v @ sd[p + name + ".weight"].T + (sd[p + name + ".bias"] if config.bias else 0.0)
 
         def ln(name, v, p=p):
             return norm(v, p + name)

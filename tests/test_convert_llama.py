@@ -209,6 +209,18 @@ def test_import_refuses_a_llama_option_deriv_has_no_switch_for_naming_it(named, 
     assert not (tmp_path / "deriv").exists()
 
 
+def test_import_of_a_config_that_cannot_exist_is_one_line(tmp_path, tiny_tokenizer, capsys):
+    """A config.json edited by hand (hidden 30 over 4 heads): transformers' own validation, named as the file's."""
+    import json
+
+    folder = save_llama(tmp_path / "llama", tiny_tokenizer)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 30, "head_dim": None}))
+    line = cli_error(["import", str(folder), "--out", str(tmp_path / "deriv")], capsys)
+    assert "config.json" in line and "hidden size (30)" in line, line
+    assert not (tmp_path / "deriv").exists()
+
+
 def test_biases_in_both_attention_and_mlp_are_carried(tmp_path, tiny_tokenizer):
     folder = save_llama(tmp_path / "llama", tiny_tokenizer, attention_bias=True, mlp_bias=True)
     source = LlamaForCausalLM.from_pretrained(folder).eval()

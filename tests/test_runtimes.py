@@ -29,6 +29,7 @@ LLAMA = dict(
     scale_embedding=False,
     bias=False,
     num_key_value_heads=2,
+    rope_theta=500000.0,  # not the default: a runtime that dropped the base would decode other tokens
 )
 GPT2 = dict(pre_norm=True, position_embedding_type="learned", scale_embedding=False, hidden_act="gelu_new")
 NEW = 16
@@ -124,7 +125,7 @@ def test_a_native_folder_converts_as_it_is(folders, tmp_path, tiny_tokenizer):
     assert ct2_tokens(converted, tiny_tokenizer, False, 1) == deriv_tokens(model, 1)
 
 
-def test_export_refuses_bad_input_in_one_line(folders, tmp_path, capsys):
+def test_export_refuses_bad_input_in_one_line(folders, tmp_path, capsys, tiny_tokenizer):
     from conftest import make_model
 
     paper = make_model()
@@ -193,6 +194,20 @@ def test_export_refuses_bad_input_in_one_line(folders, tmp_path, capsys):
         str(tmp_path / "a"),
     ]
     cases["past --context 8"] = ["bench", "runtimes", "--context", "8", "--prompt", "4", "--new-tokens", "8"]
+    cases["--kv-heads 4"] = ["bench", "runtimes", "--kv-heads", "4"]  # 6 heads: before any tokenizer is trained
+    cases["--hidden-act and --pre-norm are the decoder bench's"] = ["bench", "runtimes", "--hidden-act", "gelu"]
+    # a Llama-shaped folder gated with GELU: both runtimes' Llama gate with SiLU and would run another network
+    gelu = DerivForCausalLM(DerivConfig(**{**TINY, **LLAMA, **SPECIALS, "hidden_act": "gelu"}))
+    save(gelu, tmp_path / "gelu", tiny_tokenizer)
+    for to in ("ctranslate2", "gguf"):
+        cases[f"hidden_act='gelu'; {'CTranslate2' if to == 'ctranslate2' else 'llama.cpp'}"] = [
+            "export",
+            str(tmp_path / "gelu"),
+            "--to",
+            to,
+            "--out",
+            str(tmp_path / f"a-{to}"),
+        ]
     for expected, argv in cases.items():
         line = cli_error(argv, capsys)
         assert expected in line, (expected, line)
@@ -202,15 +217,18 @@ def test_export_refuses_bad_input_in_one_line(folders, tmp_path, capsys):
 def test_gguf_writes_llamas_tensors_with_q_and_k_interleaved(folders, tmp_path):
     from gguf import GGUFReader
 
-    from deriv_lm.convert.gguf import interleaved
-
     model, folder = folders["llama"]
     path = export_model(folder, "gguf", tmp_path / "m.gguf", outtype="f32")
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     assert {"token_embd.weight", "output_norm.weight", "blk.1.ffn_gate.weight"} <= set(tensors)
     q = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
     k = model.state_dict()["model.layers.0.self_attn.k_proj.weight"].numpy()
-    assert (tensors["blk.0.attn_q.weight"].data.reshape(q.shape) == interleaved(q, 4)).all()
-    assert (tensors["blk.0.attn_k.weight"].data.reshape(k.shape) == interleaved(k, 2)).all()
-    assert not (interleaved(q, 4) == q).all()  # the permutation moves rows
+    # llama.cpp's rotary layout: within each head, rows j and j + d_k/2 of the "half" layout are rows 2j and 2j+1
+    d_k = TINY["hidden_size"] // TINY["num_attention_heads"]
+    for name, weight, heads in (("attn_q", q, 4), ("attn_k", k, 2)):
+        written = tensors[f"blk.0.{name}.weight"].data.reshape(weight.shape)
+        for head in range(heads):
+            for j in range(d_k // 2):
+                assert (written[head * d_k + 2 * j] == weight[head * d_k + j]).all(), (name, head, j)
+                assert (written[head * d_k + 2 * j + 1] == weight[head * d_k + d_k // 2 + j]).all(), (name, head, j)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no partial file left behind

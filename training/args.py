@@ -648,7 +648,8 @@ def _from_file(path: str, name: str, value, hint):
     ok, wanted = checks.get(origin or hint, (lambda v: isinstance(v, str), "text"))
     if not ok(value):
         raise UsageError(f"{path}: `{name}` must be {wanted}, got {value!r}")
-    return value
+    # subtle: YAML reads `rope_theta: 500000` or `dropout: 0` as an int, which DerivConfig's strict float refuses
+    return float(value) if hint is float else value
 
 
 def write_config(args: Settings, path: str) -> None:
