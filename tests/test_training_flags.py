@@ -377,7 +377,7 @@ def test_the_llama_tiny_preset_trains_a_llama_shaped_model(tmp_path, corpus_file
     config = json.loads((out / "config.json").read_text())
     switches = ("position_embedding_type", "norm_type", "gated_mlp", "hidden_act", "num_key_value_heads", "bias")
     assert [config[name] for name in switches] == ["rotary", "rms_norm", True, "silu", 2, False]
-    assert (config["pre_norm"], config["scale_embedding"], config["intermediate_size"]) == (True, False, 680)
+    assert (config["pre_norm"], config["scale_embedding"], config["intermediate_size"]) == (True, False, 672)
     recorded = json.loads((out / "run.json").read_text())["arguments"]["model"]
     assert recorded["num_key_value_heads"] == 2 and recorded["position_embedding_type"] == "rotary"
     weights = load_file(out / "model.safetensors")
