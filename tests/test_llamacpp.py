@@ -17,15 +17,12 @@ pytest.importorskip("gguf", reason="the runtimes extra is not installed (pip ins
 
 from deriv_lm import DerivConfig, DerivForCausalLM  # noqa: E402
 from deriv_lm.convert import export_model  # noqa: E402
+from deriv_lm.convert.llama import LLAMA_SWITCHES  # noqa: E402
 
 
 LLAMA = dict(
-    pre_norm=True,
-    position_embedding_type="rotary",
-    norm_type="rms_norm",
-    gated_mlp=True,
+    **LLAMA_SWITCHES,  # pre-norm, rotary, RMSNorm, gated, unscaled embedding
     hidden_act="silu",
-    scale_embedding=False,
     bias=False,
     num_key_value_heads=2,
     rope_theta=500000.0,  # not the default: a file that dropped the base would decode other tokens
