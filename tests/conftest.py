@@ -2,12 +2,21 @@
 helper that runs Python in a subprocess that cannot import this package."""
 
 import json
+import os
 import subprocess
 
-import pytest
-import torch
+
+# Under pytest-xdist (`make test` runs two workers on the 2-core CI machines) each worker computes with one thread,
+# set before torch is imported, so the child processes a test starts inherit it: two workers of two threads each
+# would wait on each other. A single process (`make test XDIST=`) keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from deriv_lm import DerivConfig, DerivForCausalLM
+from deriv_lm.serve import ServerProcess
 
 
 TINY = dict(
@@ -157,3 +166,80 @@ def served_reference(folder) -> dict:
         "model": model,
         "tokenizer": tokenizer,
     }
+
+
+# ---- a server in this process: the hostile tables of tests/test_serve_hostile.py and tests/test_explore_hostile.py
+
+
+class ServerThread(ServerProcess):
+    """`deriv serve FOLDER FLAGS` (or, with `command="explore"`, `deriv explore FOLDER FLAGS`) in a thread of this
+    process: the command's own argument parser, loader and app, served by uvicorn on a free loopback port. The same
+    interface as ServerProcess (port, send, post, stream, stop, log_tail; the client half is ServerProcess's own)
+    at a fraction of its start-up, for the tests whose subject is what the app answers; what only a process shows
+    (the start-up line, signals, exit statuses, resident memory) is tested on a ServerProcess in the slow tier.
+    The log is every record logged while it runs (the app's and uvicorn's, tracebacks formatted in), so "no
+    traceback in the log" holds it to the same standard; but for what another ServerThread's own thread logs."""
+
+    running: set[int] = set()  # the threads of the ServerThreads serving now
+
+    def __init__(self, folder, *flags: str, command: str = "serve"):
+        import argparse
+        import io
+        import logging
+        import threading
+
+        import uvicorn
+
+        from deriv_lm import serve
+
+        self.folder, self.command = str(folder), command
+        self.sock = serve.listen("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        parser = argparse.ArgumentParser()
+        if command == "serve":
+            serve.add_arguments(parser)
+            ns = parser.parse_args([self.folder, "--port", str(self.port), *flags])
+            self.served = serve.load(ns, "cpu")
+            from deriv_lm.serving.app import build_app
+
+            app = build_app(self.served)
+        else:
+            from deriv_lm.viz.commands import add_explore_arguments
+            from deriv_lm.viz.explorer.app import build_app
+            from deriv_lm.viz.explorer.compute import Explorer
+
+            add_explore_arguments(parser)
+            ns = parser.parse_args([self.folder, "--port", str(self.port), *flags])
+            self.served = None
+            app = build_app(Explorer.open(self.folder), "127.0.0.1", self.port, ns.max_body_bytes)
+        self._text = io.StringIO()
+        self._handler = logging.StreamHandler(self._text)
+        self._handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self._handler.addFilter(lambda r: r.thread == self.thread.ident or r.thread not in ServerThread.running)
+        # log_config=None: uvicorn leaves logging as it is, so its records reach the handler below
+        self.runner = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning"))
+        self.thread = threading.Thread(target=self.runner.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        logging.getLogger().addHandler(self._handler)
+        self.thread.start()
+        ServerThread.running.add(self.thread.ident)
+        while not self.runner.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"deriv {command} did not start:\n{self.log_tail()}")
+            self.thread.join(0.05)
+
+    def log_tail(self, characters: int = 3000) -> str:
+        return self._text.getvalue()[-characters:]
+
+    def stop(self, timeout: float = 30) -> int:
+        """uvicorn's graceful stop, then the engine's; 0 once the thread has ended."""
+        import logging
+
+        self.runner.should_exit = True
+        self.thread.join(timeout)
+        ServerThread.running.discard(self.thread.ident)
+        if self.served is not None:
+            self.served.engine.stop()
+        self.sock.close()
+        logging.getLogger().removeHandler(self._handler)
+        return 1 if self.thread.is_alive() else 0

@@ -1,11 +1,13 @@
 """`deriv explore` against what careless and hostile clients send, and the command's own refusals.
 
-One `deriv explore` child process (on tests/data/numbers_lm, 127.0.0.1, a free port) answers every row of the
-table (docs/explore.md has the same table): the status the row names, in the error shape `{"error": {"message",
-"field"}}` with the field the row names, the security headers on the reply, and after it the server still answers
-/health and a good /api/analyze. A request that makes compute raise an unexpected error is tried in this process
-(compute patched to fail once), where the reply must be a 500 that says nothing of the error and the next request
-must be served. The command's refusals are one `deriv: error:` line and exit status 2, before anything is served.
+One `deriv explore` (its parser, loader and app in a thread of this process, on tests/data/numbers_lm, 127.0.0.1,
+a free port) answers every row of the table (docs/explore.md has the same table): the status the row names, in
+the error shape `{"error": {"message", "field"}}` with the field the row names, the security headers on the reply,
+and after it the server still answers /health and a good /api/analyze. A request that makes compute raise an
+unexpected error is tried in this process (compute patched to fail once), where the reply must be a 500 that says
+nothing of the error and the next request must be served. What only a process shows (the line that says where it
+serves, Ctrl-C's exit status, a translation folder opened from the command line) is tried on `deriv explore` in a
+child process. The command's refusals are one `deriv: error:` line and exit status 2, before anything is served.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ from __future__ import annotations
 import json
 import re
 import signal
-import threading
 from pathlib import Path
 
 import pytest
-from conftest import cli_error
+from conftest import ServerThread, cli_error
 
 from deriv_lm.serve import ServerProcess, send_request
 
@@ -46,8 +47,8 @@ def send(port: int, method: str, path: str, body: bytes | dict | None = None, he
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = ServerProcess(FOLDER, log=tmp_path_factory.mktemp("log") / "explore.log", command="explore")
+def server():
+    server = ServerThread(FOLDER, command="explore")
     yield server
     assert server.stop() == 0, server.log_tail()  # SIGTERM: a clean stop, status 0
     assert "Traceback" not in server.log_tail(100_000)
@@ -315,12 +316,7 @@ def test_the_page_and_its_two_files_are_served_and_reach_for_no_url(server):
         assert "@import" not in text and "@font-face" not in text, name
 
 
-def test_the_command_says_where_it_serves(server):
-    assert f"deriv explore: numbers_lm ({FOLDER}) on http://127.0.0.1:{server.port} (Ctrl-C stops it)" in (
-        server.log_tail()
-    )
-
-
+@pytest.mark.slow
 def test_a_translation_folder_is_explored_and_its_target_checked(tmp_path):
     """numbers_en (context 16): the cross-attention is there; a bad target is a 400 naming the target's field."""
     server = ServerProcess(DATA / "numbers_en", log=tmp_path / "translation.log", command="explore")
@@ -349,8 +345,12 @@ def test_a_translation_folder_is_explored_and_its_target_checked(tmp_path):
         assert server.stop() == 0, server.log_tail()
 
 
-def test_ctrl_c_stops_it_with_status_130(tmp_path):
+@pytest.mark.slow
+def test_the_command_says_where_it_serves_and_ctrl_c_stops_it_with_status_130(tmp_path):
     server = ServerProcess(FOLDER, log=tmp_path / "int.log", command="explore")
+    assert f"deriv explore: numbers_lm ({FOLDER}) on http://127.0.0.1:{server.port} (Ctrl-C stops it)" in (
+        server.log_tail()
+    )
     server.process.send_signal(signal.SIGINT)
     assert server.process.wait(timeout=60) == 130
     assert "Traceback" not in server.log_tail()
@@ -361,15 +361,10 @@ def test_ctrl_c_stops_it_with_status_130(tmp_path):
 
 @pytest.fixture
 def in_process(monkeypatch):
-    """The explorer's app on a free loopback port, served by uvicorn in a thread of this process, with
-    compute.analyze failing on its first call (as a bug would); yields the port."""
-    import uvicorn
-
-    from deriv_lm.serve import listen
+    """A second explorer (ServerThread), with compute.analyze failing on its first call (as a bug would); yields
+    its port."""
     from deriv_lm.viz.explorer import compute
-    from deriv_lm.viz.explorer.app import build_app
 
-    explorer = compute.Explorer.open(str(FOLDER))
     real, calls = compute.analyze, []
 
     def failing_once(*args, **kwargs):
@@ -379,17 +374,9 @@ def in_process(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(compute, "analyze", failing_once)
-    sock = listen("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    runner = uvicorn.Server(uvicorn.Config(build_app(explorer, "127.0.0.1", port, BODY_LIMIT), log_level="critical"))
-    thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not runner.started:
-        thread.join(0.05)
-    yield port
-    runner.should_exit = True
-    thread.join(30)
-    sock.close()
+    server = ServerThread(FOLDER, command="explore")
+    yield server.port
+    assert server.stop() == 0
 
 
 def test_an_unexpected_error_is_a_500_that_tells_nothing_and_the_server_goes_on(in_process, caplog):
