@@ -3,11 +3,20 @@
 # pinned in constraints/lock.txt, so a newcomer gets exactly the set CI tested. Nothing is needed beforehand
 # but python3 (>= 3.11) and make.
 #
-# Three environments, one command each (CI runs all three, each in a fresh environment):
-#   make test          the locked set (constraints/lock.txt), in .venv
-#   make test-oldest   every dependency at the floor pyproject.toml declares (constraints/oldest.txt), without
-#                      the onnx, serve, trl and runtimes extras (their tests say they skip)
-#   make test-newest   the newest release of everything the registry offers, torch included
+# Two tiers (docs/tests.md): the fast tier is every test not marked `slow`, the slow tier the rest (tests that
+# start processes, train more than a few steps, drive the browser, soak a server, launch distributed runs or
+# benchmark). Three environments. CI (.ci/run) runs:
+#   make test          the fast tier, locked set (constraints/lock.txt), in .venv: five minutes at most on 2 cores
+#   make test-slow     the slow tier, locked set
+#   make test-oldest   the fast tier with every dependency at the floor pyproject.toml declares
+#                      (constraints/oldest.txt), without the onnx, serve, trl and runtimes extras
+#   make test-newest   the newest release of everything the registry offers, torch included: the fast tier and
+#                      the slow tests marked `upstream` (transformers' cache, generate, continuous batching, Auto
+#                      classes, remote code), where a new transformers release breaks things first
+#   make test-all      all four, as CI runs them
+#   make coverage      both tiers of the locked set under pytest-cov: the fast tier's line coverage, then both's
+# Each prints its wall time and its 25 slowest tests. Tests run in two worker processes (pytest-xdist, a test
+# file to a worker so its module fixtures are built once); `make test XDIST=` runs them in this process.
 # When the newest set passes, `make lock` moves the lock forward to it; `make test` then tests the new lock.
 
 PYTHON ?= python3
@@ -24,7 +33,7 @@ PIP := -m pip install --quiet --disable-pip-version-check
 # and a silent one looks hung. subtle: $(shell) captures stdout, so the terminal test looks at stderr.
 SETUP_PIP := -m pip install --disable-pip-version-check --progress-bar $(shell test -t 2 && echo on || echo off)
 
-.PHONY: setup test test-oldest test-newest test-all lock train train-translation lint lint-imports bench \
+.PHONY: setup test test-slow test-oldest test-newest test-all coverage lock train train-translation lint lint-imports bench \
 	bench-seq2seq bench-tokenizer browser clean test-llamacpp
 
 setup: $(STAMP)
@@ -39,8 +48,30 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 	@echo "setup: done; $(VENV)/bin/deriv is the deriv command"
 
+# The tiers' marker expressions, and what every run adds: two workers, a file to each, the 25 slowest tests.
+FAST := not slow
+SLOW := slow
+NEWEST := not slow or upstream
+XDIST ?= -n 2 --dist loadfile
+PYTEST = -m pytest -q $(XDIST) --durations=25
+# The wall time of a tier, printed after pytest's own summary (whose status it keeps): $(call timed,NAME,COMMAND)
+timed = start=$$(date +%s); $(2); status=$$?; echo "== $(1): $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
+
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@$(call timed,fast tier (locked set),$(PY) $(PYTEST) -m "$(FAST)" $(PYTEST_ARGS))
+
+test-slow: setup
+	@$(call timed,slow tier (locked set),$(PY) $(PYTEST) -m "$(SLOW)" $(PYTEST_ARGS))
+
+# Line coverage of the package (pyproject.toml's [tool.coverage]) in the test processes: the fast tier alone,
+# then the slow tier appended, each reported; .coverage holds both.
+coverage: setup
+	$(PY) $(PYTEST) -m "$(FAST)" --cov --cov-report=term:skip-covered --cov-report=json:coverage-fast.json $(PYTEST_ARGS)
+	$(PY) $(PYTEST) -m "$(SLOW)" --cov --cov-append --cov-report=term:skip-covered --cov-report=json:coverage-all.json $(PYTEST_ARGS)
+	@$(PY) -c "import json; f, a = (json.load(open(n))['totals'] for n in ('coverage-fast.json', 'coverage-all.json')); \
+		print(f\"coverage: fast tier {f['percent_covered']:.1f} % ({f['covered_lines']} lines), both tiers \" \
+		f\"{a['percent_covered']:.1f} % ({a['covered_lines']} lines): the fast tier covers \" \
+		f\"{100 * f['covered_lines'] / a['covered_lines']:.1f} % of what both cover\")"
 
 # The oldest set: torch 2.7 is a CUDA build from PyPI here (about 3 GB, a minute to install); the tests run
 # it on the CPU. Rebuilt whenever the floors or the package's requirements change.
@@ -52,7 +83,7 @@ test: setup
 	touch $@
 
 test-oldest: .venv-oldest/.deriv-installed
-	.venv-oldest/bin/python -m pytest -q $(PYTEST_ARGS)
+	@$(call timed,fast tier (oldest set),.venv-oldest/bin/python $(PYTEST) -m "$(FAST)" $(PYTEST_ARGS))
 
 # The newest set, always built afresh. PIP_CONFIG_FILE=/dev/null sets aside pip's configuration files, so
 # that a machine-wide cap or local mirror (this project's CI machines cap torch at the builds on their disk)
@@ -64,9 +95,9 @@ test-newest:
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) torch
 	PIP_CONFIG_FILE=/dev/null .venv-newest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e ".[dev,viz,onnx,serve,trl,eval,runtimes]"
 	.venv-newest/bin/python -m pip freeze --exclude-editable > .venv-newest/freeze.txt
-	.venv-newest/bin/python -m pytest -q $(PYTEST_ARGS)
+	@$(call timed,fast tier and upstream slow tests (newest set),.venv-newest/bin/python $(PYTEST) -m "$(NEWEST)" $(PYTEST_ARGS))
 
-test-all: test test-oldest test-newest
+test-all: test test-slow test-oldest test-newest
 
 # llama.cpp through llama-cpp-python, for tests/test_llamacpp.py (a GGUF export decoded in llama.cpp): its own
 # environment, the locked set plus llama-cpp-python, which compiles llama.cpp from source (about 13 minutes on 2
@@ -128,4 +159,4 @@ browser:
 	fi
 
 clean:
-	rm -rf $(VENV) .venv-oldest .venv-newest .venv-llamacpp build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-oldest .venv-newest .venv-llamacpp build *.egg-info .pytest_cache .coverage* coverage-*.json

@@ -16,6 +16,10 @@ from deriv_lm.cli import main
 from deriv_lm.modeling_deriv import DerivConfig, DerivForCausalLM
 
 
+# a benchmark: six trainings of the ablation, then its table and picture
+pytestmark = pytest.mark.slow
+
+
 TINY = dict(
     cache_dir=None,  # set per test session below
     vocab_size=300,

@@ -45,6 +45,7 @@ def keep_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_bench_prints_the_side_by_side_table(tmp_path, capsys):
     assert main(["bench", "decoder", *TINY_ARGS, "--no-memory", "--json", str(tmp_path / "b.json")]) == 0
     table = capsys.readouterr().out
@@ -57,6 +58,8 @@ def test_bench_prints_the_side_by_side_table(tmp_path, capsys):
 INFERENCE_TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--context", "32", "--vocab", "64"]
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_inference_bench_prints_prefill_decode_the_floor_and_the_kv_cache(tmp_path, capsys):
     """Every (batch, path) has a prefill and a decode row, positive; % of floor is decode over batch x floor; the
     goal ratios divide the right rows. (The compiled path is left out here: compiling takes most of a minute.)"""
@@ -102,6 +105,7 @@ def test_the_kv_cache_holds_exactly_two_layers_positions_d_model_bytes_batch(bat
         assert row["deriv_static"] == row["gpt2_static"] == 2 * 2 * 32 * 32 * 4 * batch
 
 
+@pytest.mark.slow
 def test_peak_memory_child_reports_a_positive_size():
     parser = decoder.argparse.ArgumentParser()
     decoder.add_arguments(parser)
@@ -109,6 +113,7 @@ def test_peak_memory_child_reports_a_positive_size():
     assert decoder.peak_memory_mib("deriv", 1, args) > 0
 
 
+@pytest.mark.slow
 def test_tokenizer_bench_prints_every_row_and_checks_equality(capsys):
     args = [
         "bench",
@@ -129,6 +134,7 @@ def test_tokenizer_bench_prints_every_row_and_checks_equality(capsys):
         assert row in out
 
 
+@pytest.mark.slow
 def test_training_bench_runs_a_preset_and_prints_its_row(capsys):
     assert main(["bench", "training", "--presets", "tiny", "--steps", "4", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
@@ -136,6 +142,7 @@ def test_training_bench_runs_a_preset_and_prints_its_row(capsys):
     assert row and "%" in row[0] and "| 2048 |" in row[0]
 
 
+@pytest.mark.slow
 def test_training_bench_compares_a_training_flag_side_by_side(capsys):
     args = ["bench", "training", "--gradient-checkpointing", "--presets", "tiny", "--steps", "3", "--log-every", "1"]
     assert main(args) == 0
@@ -147,6 +154,7 @@ def test_training_bench_compares_a_training_flag_side_by_side(capsys):
     assert plain > 0 and checkpointed > 0 and abs(ratio - checkpointed / plain) <= 0.01
 
 
+@pytest.mark.slow
 def test_training_bench_scaling_runs_one_and_two_processes_and_prints_the_efficiency(capsys):
     assert main(["bench", "training", "--scaling", "--presets", "tiny", "--steps", "3", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
@@ -159,6 +167,7 @@ def test_training_bench_scaling_runs_one_and_two_processes_and_prints_the_effici
     assert math.isfinite(float(cells[4])) and float(cells[4]) > 0
 
 
+@pytest.mark.slow
 def test_seq2seq_bench_prints_the_side_by_side_table(tmp_path, capsys):
     args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64", "--batch", "2"]
     args += [
@@ -221,6 +230,8 @@ def test_every_benchmarks_parsed_arguments_can_be_sent_to_a_spawned_process():
 @pytest.mark.skipif(
     not is_serve_available(), reason="the serve extra is not installed (pip install 'deriv-lm[serve]')"
 )
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_serving_bench_compares_batching_in_process_and_over_http(tmp_path, capsys):
     args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--context", "48", "--vocab", "320"]
     args += ["--prompts", "5", "--new-tokens", "4", "--repeats", "1", "--clients", "3", "--requests", "1"]

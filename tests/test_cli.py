@@ -50,6 +50,7 @@ def test_a_missing_or_unknown_command_is_one_line_without_the_package(argv):
     assert "bench-seq2seq" not in lines[0]  # an unknown command lists the commands, not the old spellings
 
 
+@pytest.mark.slow
 def test_a_command_runs_through_the_launcher():
     result = launch("bench", "seq2seq", "--beams", "0")
     assert result.returncode == 2

@@ -62,6 +62,8 @@ def test_a_folder_of_another_type_is_refused_without_consent(planted, tmp_path, 
     assert not marker.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_check_does_run_the_folder_code_as_its_help_says(planted, capsys):
     folder, marker = planted
     main(["check", str(folder)])

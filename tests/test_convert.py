@@ -100,6 +100,8 @@ def test_export_then_import_is_exact_and_the_export_is_plain_gpt2(gpt2_folder, t
         torch.testing.assert_close(native(x).logits, first.eval()(x).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_the_imported_folder_passes_deriv_check_in_a_clean_process(gpt2_folder, tmp_path):
     steps = check_folder(import_model(str(gpt2_folder), tmp_path / "deriv"))
     assert [s["step"] for s in steps if not s["ok"]] == [], steps
@@ -379,6 +381,8 @@ def test_marian_export_then_import_is_exact_and_the_export_is_plain_marian(maria
 
 
 @pytest.mark.parametrize("folder", ["marian_folder", "marian_two_vocabularies"])
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_the_imported_marian_folder_passes_deriv_check(folder, request, tmp_path):
     steps = check_folder(import_model(str(request.getfixturevalue(folder)), tmp_path / "deriv"))
     assert [s["step"] for s in steps if not s["ok"]] == [], steps
@@ -478,6 +482,7 @@ def test_an_old_config_without_the_vocabulary_fields_builds_the_same_parameters(
         assert model.get_parameter(name) is model.model.shared.weight, name
 
 
+@pytest.mark.slow
 def test_an_exported_gpt2_runs_in_onnx_runtime_with_the_same_logits_and_greedy_tokens(gpt2_folder, tmp_path):
     pytest.importorskip("onnxscript", reason="the onnx extra is not installed (pip install 'deriv-lm[onnx]')")
     ort = pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip install 'deriv-lm[onnx]')")

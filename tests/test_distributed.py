@@ -20,6 +20,10 @@ from deriv_lm.training.checkpoints import check_sharded_metadata
 from deriv_lm.training.distributed import fsdp2_available
 
 
+# every test launches two or more processes (torchrun, accelerate, FSDP)
+pytestmark = pytest.mark.slow
+
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "training", "accelerate_configs")
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 # The commands docs/training.md gives, each for two processes on this machine's CPU.

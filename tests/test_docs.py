@@ -78,7 +78,18 @@ def test_guide_snippets_run(tmp_path, monkeypatch, offline, one_thread):
     assert namespace["maps"].weights.shape[:2] == (2, 4)
 
 
-@pytest.mark.parametrize("name", [page.name for page in PAGES if page != GUIDE and python_blocks(page)])
+# Pages whose blocks start a process: their test is in the slow tier (and, loading remote code, `upstream`).
+SLOW_PAGES = {"hub.md": "`deriv check` loads the folder in a fresh interpreter, with trust_remote_code"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(page.name, marks=[pytest.mark.slow, pytest.mark.upstream] if page.name in SLOW_PAGES else [])
+        for page in PAGES
+        if page != GUIDE and python_blocks(page)
+    ],
+)
 def test_page_blocks_run(name, tmp_path, monkeypatch, offline, one_thread):
     run_page(DOCS / name, tmp_path, monkeypatch)
 

@@ -38,6 +38,10 @@ from deriv_lm.viz.attention import attention_maps, load_eager  # noqa: E402
 from deriv_lm.viz.explorer import compute  # noqa: E402
 
 
+# drives Chromium against two explorer servers
+pytestmark = pytest.mark.slow
+
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
 LM = os.path.join(DATA, "numbers_lm")
 EN = os.path.join(DATA, "numbers_en")

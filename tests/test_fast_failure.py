@@ -85,11 +85,15 @@ def test_import_deriv_lm_imports_neither_torch_nor_transformers():
     )
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_a_deriv_class_loads_without_transformers_pipelines():
     code = "import sys; from deriv_lm import DerivConfig; print('transformers.pipelines' in sys.modules)"
     assert run_python(code) == "False"
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_import_deriv_lm_still_registers_the_models_with_the_auto_classes():
     code = f"""
 import deriv_lm
@@ -101,6 +105,8 @@ print(type(model).__name__)
 
 
 @pytest.mark.parametrize("order", ["pipelines first", "deriv_lm first", "pipeline module first"])
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_the_translation_pipeline_is_registered_whatever_the_import_order(order):
     imports = {
         "pipelines first": "import transformers.pipelines\nimport deriv_lm",
@@ -115,6 +121,7 @@ print(PIPELINE_REGISTRY.supported_tasks["deriv-translation"]["impl"].__name__)
     assert run_python(code).splitlines()[-1] == "DerivTranslationPipeline"
 
 
+@pytest.mark.slow
 def test_a_bare_generate_prints_nothing_on_stderr():
     result = subprocess.run(
         [sys.executable, "-m", "deriv_lm.cli", "generate", str(NUMBERS_LM), "one two", "--max-new-tokens", "4"],
@@ -134,6 +141,7 @@ QUIET = ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS", "HF_HUB_
 FRESH_ENV = {k: v for k, v in os.environ.items() if k not in QUIET + ("HF_DATASETS_DISABLE_PROGRESS_BARS",)}
 
 
+@pytest.mark.slow
 def test_verbose_keeps_the_libraries_progress_bars():
     # what transformers itself prints loading the folder, outside deriv's command (transformers 5.23 has no bar)
     own = subprocess.run(

@@ -270,6 +270,8 @@ def test_a_push_that_cannot_reach_the_hub_fails_without_claiming_success(lm_fold
 
 
 @pytest.mark.parametrize("which", ["lm_folder", "mt_folder"])
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_check_passes_on_exported_folders(request, which, capsys):
     folder = request.getfixturevalue(which)
     assert main(["check", str(folder)]) == 0
@@ -279,6 +281,7 @@ def test_check_passes_on_exported_folders(request, which, capsys):
     assert "every step passed" in out
 
 
+@pytest.mark.slow
 def test_check_fails_clearly_without_the_code_files(lm_folder, tmp_path, capsys):
     folder = tmp_path / "lm"
     shutil.copytree(lm_folder, folder)

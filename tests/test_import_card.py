@@ -29,6 +29,8 @@ def card_of(folder):
     return ModelCard.load(folder / "README.md")
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_an_imported_folder_has_a_card_that_says_it_is_an_import_of_its_source(gpt2_folder, tmp_path, capsys):
     from deriv_lm.cli import main
 

@@ -14,6 +14,10 @@ import torch
 from deriv_lm.cli import main
 
 
+# lm-evaluation-harness: seconds to import, a model scored per test
+pytestmark = pytest.mark.slow
+
+
 lm_eval = pytest.importorskip(
     "lm_eval", reason="lm-evaluation-harness is not installed (the eval extra; not in the oldest set)"
 )

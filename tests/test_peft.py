@@ -119,6 +119,7 @@ print(json.dumps({
 
 
 @pytest.mark.parametrize("order", [("deriv_lm", "peft"), ("peft", "deriv_lm")], ids=["deriv-first", "peft-first"])
+@pytest.mark.slow
 def test_either_order_of_import_gives_the_defaults(order):
     done = subprocess.run(
         [sys.executable, "-c", IMPORT_ORDER_CHECK, *order],

@@ -87,6 +87,8 @@ def test_learned_positions_are_saved(tmp_path):
         assert torch.equal(loaded(x_ids()).logits, model(x_ids()).logits)
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_loads_with_remote_code_in_a_process_without_the_package(saved, tmp_path):
     model, folder = saved
     with torch.no_grad():

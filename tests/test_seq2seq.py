@@ -391,6 +391,8 @@ def test_pipeline_truncates_long_sources_or_refuses_them(overfit, tmp_path):
         translator(long_text, truncation=False)
 
 
+@pytest.mark.slow
+@pytest.mark.upstream
 def test_trust_remote_code_and_pipeline_without_the_package(overfit, tmp_path):
     model, tokenizer = overfit
     folder = tmp_path / "model"

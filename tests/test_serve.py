@@ -26,6 +26,10 @@ from transformers import AutoModelForCausalLM
 from deriv_lm.serve import ServerProcess
 
 
+# `deriv serve` in child processes; generate() and continuous batching behind it
+pytestmark = [pytest.mark.slow, pytest.mark.upstream]
+
+
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
 pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
 pytest.importorskip("openai", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")

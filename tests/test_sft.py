@@ -147,6 +147,7 @@ def test_conversations_are_read_from_jsonl_only(tmp_path):
         local_conversations([str(tmp_path / "missing.jsonl")])
 
 
+@pytest.mark.slow
 def test_the_default_conversations_are_synthetic_checked_and_the_same_each_time():
     conversations = default_conversations()
     rows = conversations.rows

@@ -170,6 +170,7 @@ def test_a_killed_and_resumed_stream_sees_the_same_batches(tmp_path, stream_file
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.slow
 def test_two_processes_train_on_different_blocks_of_the_stream(tmp_path, stream_file):
     """accelerate dispatches the stream's batches from process 0: two processes of batch 4 see, step for step,
     the 8 blocks one process of batch 4 x 2 accumulation steps sees, across several passes. Were a block

@@ -129,6 +129,7 @@ def test_round_trip_with_special_tokens_inside(hf_tokenizer, left, right):
     assert hf_tokenizer.decode(ids, skip_special_tokens=True) == left + right
 
 
+@pytest.mark.slow
 def test_folder_reloads_in_a_fresh_process_and_encodes_identically(trained, tmp_path):
     tokenizer, _ = trained
     folder = tmp_path / "tok"

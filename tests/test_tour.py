@@ -23,6 +23,10 @@ from pathlib import Path
 import pytest
 
 
+# the README's commands: trainings, a fine-tuning, a server in a child process
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
 

@@ -131,6 +131,7 @@ NO_COMPILER = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 @pytest.mark.skipif(NO_COMPILER, reason="torch.compile on the CPU needs a C++ compiler (g++); none is on the PATH")
 # inductor imports torch.utils.mkldnn, which decorates with torch.jit.script_method: torch's own import, not ours
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.slow
 def test_a_compiled_run_exports_the_weights_under_their_own_names(plain_run, tmp_path, corpus_file):
     from transformers import AutoModelForCausalLM
 

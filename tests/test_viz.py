@@ -91,6 +91,7 @@ def test_a_panel_per_layer_and_head(lm_dir, mt_dir, tmp_path):
     assert width > height  # 4 heads across, 3 layers down
 
 
+@pytest.mark.slow
 def test_attention_command_writes_a_png_per_kind(lm_dir, mt_dir, tmp_path):
     out = tmp_path / "att.png"
     assert main(["attention", str(lm_dir), "the quick", "--layers", "0", "--heads", "1", "--out", str(out)]) == 0
