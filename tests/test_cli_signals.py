@@ -30,9 +30,18 @@ ROOT = Path(__file__).parents[1]
 PROGRESS = re.compile(r"\[\d\d:\d\d[<,]")  # tqdm's "[00:00<?, ...]": a progress bar may stand before the line
 
 
+# subtle: a shell without job control starts a background command (`make test &`, a CI runner) with SIGINT ignored,
+# and a child inherits that: its Python then installs no KeyboardInterrupt handler and Ctrl-C does nothing. The
+# commands here start as from a terminal, SIGINT raising KeyboardInterrupt, whoever started pytest.
+AS_FROM_A_TERMINAL = "signal.signal(signal.SIGINT, signal.default_int_handler)"
+
+
 def start(*argv: str, patch: str = "") -> subprocess.Popen:
-    """`deriv ARGV` as the console script runs it (`deriv_lm_cli.main`), after `patch` (Python source), if any."""
-    code = f"import os, signal, sys\n{patch}\nimport deriv_lm_cli\nsys.exit(deriv_lm_cli.main())\n"
+    """`deriv ARGV` as the console script runs it (`deriv_lm_cli.main`) from a terminal, after `patch` (Python
+    source), if any."""
+    code = (
+        f"import os, signal, sys\n{AS_FROM_A_TERMINAL}\n{patch}\nimport deriv_lm_cli\nsys.exit(deriv_lm_cli.main())\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(
         [sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
