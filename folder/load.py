@@ -62,6 +62,8 @@ def _read_json(path: str) -> dict:
             value = json.load(f)
     except json.JSONDecodeError as error:
         raise UsageError(f"{path} is not valid JSON: {error}") from error
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{path} is not valid JSON: not UTF-8 text (byte {error.start})") from error
     if not isinstance(value, dict):
         raise UsageError(f"{path} should hold a JSON object")
     return value
@@ -183,6 +185,8 @@ def check_weight_files(folder: str | os.PathLike) -> None:
     if not os.path.isdir(folder):
         return
     names = set(os.listdir(folder))
+    if SAFETENSORS[1] in names and SAFETENSORS[0] not in names:
+        check_shard_index(folder)
     if not names.intersection(SAFETENSORS):
         pickles = sorted(n for n in names if n.endswith(PICKLED) and os.path.isfile(os.path.join(folder, n)))
         if not pickles:
@@ -198,6 +202,84 @@ def check_weight_files(folder: str | os.PathLike) -> None:
             "`.save_pretrained(folder)` writes model.safetensors"
         )
     check_safetensors(folder)
+
+
+def check_shard_index(folder: str | os.PathLike) -> dict[str, str]:
+    """The `weight_map` (tensor -> shard file) of a sharded folder's `model.safetensors.index.json`, once it is
+    known that loading through it reads safetensors inside the folder and nothing else; otherwise one UsageError
+    naming the index and the entry, before any shard is opened.
+
+    subtle: transformers joins each name in the index to the folder and loads what it finds there, whatever the
+    name: `weights.bin` (a pickle), `../other/model.safetensors`, an absolute path, a link out of the folder.
+    So each name must be a plain `.safetensors` file name inside the folder (no `..`, no absolute path, no
+    symbolic link that leads out), present, and each tensor named once. Whether the shards hold every tensor the
+    model needs, at its shape, is `load_weights`' check after."""
+    folder = str(folder)
+    inside = os.path.realpath(folder)
+    index = os.path.join(folder, SAFETENSORS[1])
+    duplicated: list[str] = []
+
+    def unique(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                duplicated.append(key)
+            seen[key] = value
+        return seen
+
+    try:
+        with open(index, encoding="utf-8") as f:
+            value = json.load(f, object_pairs_hook=unique)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"{index} is not valid JSON: {_cause(error)}") from error
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UsageError(f"{index} has no weight_map (tensor name -> shard file)")
+    if duplicated:
+        raise UsageError(f"{index} names {_count(duplicated, 'tensor')} more than once: {_some(sorted(duplicated))}")
+    for tensor, name in weight_map.items():
+        where = f"{index}: {tensor!r} is in {name!r}"
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"{index}: {tensor!r} names no shard file")
+        if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+            raise UsageError(f"{where}, a path outside the folder; a shard is a file of the folder itself")
+        if not name.endswith(".safetensors"):
+            raise UsageError(
+                f"{where}, which is not a safetensors file; deriv reads weights from safetensors only (a pickle "
+                "is never opened: unpickling can run code)"
+            )
+        path = os.path.join(folder, name)
+        if os.path.commonpath([inside, os.path.realpath(path)]) != inside:
+            raise UsageError(f"{where}, a link that leads outside the folder; a shard is a file of the folder itself")
+        if not os.path.isfile(path):
+            raise MissingFile(f"{where}, which is not there")
+    _check_shard_headers(index, folder, weight_map)
+    return weight_map
+
+
+def _check_shard_headers(index: str, folder: str, weight_map: dict[str, str]) -> None:
+    """Each tensor in exactly one shard, the one the index names, and no shard tensor the index leaves out (the
+    library would take it, or the later of two copies, without a word). Reads the shards' headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    held: dict[str, list[str]] = {}
+    for shard in sorted(set(weight_map.values())):
+        try:
+            with safe_open(os.path.join(folder, shard), framework="pt") as f:
+                keys = list(f.keys())
+        except SafetensorError as error:
+            raise UsageError(f"{os.path.join(folder, shard)}: not a whole safetensors file ({error})") from error
+        for key in keys:
+            held.setdefault(key, []).append(shard)
+    twice = sorted(f"{k} ({', '.join(v)})" for k, v in held.items() if len(v) > 1)
+    if twice:
+        raise UsageError(f"{index}: {_count(twice, 'tensor')} in more than one shard: {_some(twice)}")
+    misplaced = sorted(f"{k} (not in {shard})" for k, shard in weight_map.items() if held.get(k) != [shard])
+    if misplaced:
+        raise UsageError(f"{index} names {_count(misplaced, 'tensor')} where they are not: {_some(misplaced)}")
+    unnamed = sorted(k for k in held if k not in weight_map)
+    if unnamed:
+        raise UsageError(f"{index} leaves out {_count(unnamed, 'tensor')} its shards hold: {_some(unnamed)}")
 
 
 def load_weights(model_class, folder: str | os.PathLike, **kwargs):
@@ -223,6 +305,9 @@ def load_weights(model_class, folder: str | os.PathLike, **kwargs):
             )
         except (SafetensorError, RuntimeError, OSError) as error:  # unreadable bytes, a missing shard, ...
             raise UsageError(f"{weights}: the weights cannot be read ({_cause(error)})") from error
+        except ValueError as error:  # the model's own check of its config (GPT-2's n_embd % n_head, ...)
+            where = os.path.join(str(folder), "config.json") if os.path.isdir(folder) else str(folder)
+            raise UsageError(f"{where} describes a model that cannot be built: {_cause(error)}") from error
         _refuse_misfit(weights, info["missing_keys"], info["mismatched_keys"], info["unexpected_keys"])
         release()
     return model

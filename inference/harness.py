@@ -1,12 +1,13 @@
 """`deriv eval FOLDER --tasks TASK[,TASK]`: lm-evaluation-harness (`lm_eval`) on a folder, as litgpt's
 `litgpt evaluate` wraps it.
 
-The harness loads the folder with its own `hf` model class (`AutoModelForCausalLM.from_pretrained`), which finds
-Deriv's classes because importing `deriv_lm` registers them with the Auto classes: `trust_remote_code` stays
-off unless the user passes --trust-remote-code for a folder that is not Deriv's. The same run from Python, or
-with the harness's own command once `deriv_lm` is imported:
+The folder is loaded by Deriv's own loader (the rules of every command: safetensors only, Deriv's classes,
+`trust_remote_code` off unless the user passes --trust-remote-code for a folder that is not Deriv's) and handed
+to the harness's `hf` model class as a model. The same run from Python:
 
-    lm_eval.simple_evaluate(model="hf", model_args={"pretrained": folder}, tasks=["hellaswag"])
+    from lm_eval.models.huggingface import HFLM
+    loaded = deriv_lm.folder.load_folder(folder, seq2seq=False)
+    lm_eval.simple_evaluate(model=HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer), tasks=["hellaswag"])
 """
 
 from __future__ import annotations
@@ -30,21 +31,44 @@ def harness_tasks(names: str, include_path: str | None):
     return manager, tasks
 
 
-def evaluate_tasks(folder: str, tasks: list[str], manager, trust_remote_code: bool = False, **options) -> dict:
-    """lm_eval's `simple_evaluate` on `folder` with its `hf` model on the CPU or the first GPU; its results dict."""
+def check_folder_files(folder: str, trust_remote_code: bool = False) -> None:
+    """What can be known of a local folder without loading it: its model type (Deriv's, or consented to) and its
+    weight files (safetensors only, whole, a shard index naming files of the folder alone)."""
+    import os
+
+    from ..folder.load import check_model_type, check_weight_files, read_folder
+
+    if os.path.isdir(folder):
+        check_model_type(folder, read_folder(folder).config.get("model_type"), trust_remote_code=trust_remote_code)
+        check_weight_files(folder)
+
+
+def evaluate_tasks(
+    folder: str, tasks: list[str], manager, trust_remote_code: bool = False, batch_size: int = 1, **options
+) -> dict:
+    """lm_eval's `simple_evaluate` on `folder` on the CPU or the first GPU; its results dict.
+
+    The folder is opened as every command opens one (`load_folder`: Deriv's classes, safetensors only, a shard
+    index naming files of the folder alone, every tensor present and of its shape), and the harness is handed
+    the model and tokenizer, wrapped in its `hf` class (HFLM), never the folder: its own loader would open a
+    pickle, or whatever file a shard index names."""
     import torch
     from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
 
-    from .. import modeling_deriv  # noqa: F401  (registers Deriv's classes with the Auto classes)
+    from ..folder.load import load_folder
 
-    # backend: the harness guesses it from transformers' own model lists, which do not name Deriv's types
-    model_args = {"pretrained": folder, "backend": "causal", "trust_remote_code": trust_remote_code}
-    model_args["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    return simple_evaluate(model="hf", model_args=model_args, tasks=tasks, task_manager=manager, **options)
+    loaded = load_folder(folder, seq2seq=False, trust_remote_code=trust_remote_code)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = HFLM(
+        pretrained=loaded.model.to(device), tokenizer=loaded.tokenizer, backend="causal", batch_size=batch_size
+    )
+    return simple_evaluate(model=model, tasks=tasks, task_manager=manager, **options)
 
 
 def run_harness(ns: argparse.Namespace) -> int:
     require_extra("eval", "deriv eval --tasks")
+    check_folder_files(ns.folder, ns.trust_remote_code)  # in a blink, before the harness indexes its tasks
     manager, tasks = harness_tasks(ns.tasks, ns.include_path)
     results = evaluate_tasks(
         ns.folder,

@@ -39,6 +39,7 @@ try:  # imported here, outside any test's captured output: torchao prints its ow
 except ImportError:
     HAS_TORCHAO = False
 HAS_SERVE = all(importlib.util.find_spec(name) for name in ("fastapi", "uvicorn", "pydantic"))
+HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 
 
 class _Planted:
@@ -112,6 +113,80 @@ def truncated(folder: Path, marker: Path) -> str:
     return "model.safetensors"
 
 
+# A sharded folder: model.safetensors.index.json and two shards instead of model.safetensors, then one entry of
+# the index (or one shard) made hostile. transformers would load whatever file the index names.
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def _shard(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """Split the folder's weights into two shards and an index; (tensors, weight map, the first matrix)."""
+    tensors = _weights(folder)
+    names = sorted(tensors)
+    weight_map = {name: SHARDS[i % 2] for i, name in enumerate(names)}
+    for shard in SHARDS:
+        part = {k: v.contiguous() for k, v in tensors.items() if weight_map[k] == shard}
+        save_file(part, folder / shard, metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    return tensors, weight_map, _first_matrix(tensors)
+
+
+def _write_index(folder: Path, weight_map: dict[str, str]) -> None:
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def index_names_a_pickle(folder: Path, marker: Path) -> str:
+    tensors, weight_map, first = _shard(folder)
+    torch.save({first: _Planted(str(marker))}, folder / "weights.bin")  # unpickled, it would write the marker
+    _write_index(folder, {**weight_map, first: "weights.bin"})
+    return "'weights.bin', which is not a safetensors file"
+
+
+def _elsewhere(folder: Path, tensors: dict, first: str) -> Path:
+    """A safetensors file outside the folder holding the tensor the index will point to."""
+    other = folder.parent / f"{folder.name}-elsewhere"
+    other.mkdir()
+    save_file({first: tensors[first].contiguous()}, other / "model.safetensors")
+    return other / "model.safetensors"
+
+
+def index_names_a_file_outside(folder: Path, marker: Path) -> str:
+    tensors, weight_map, first = _shard(folder)
+    _elsewhere(folder, tensors, first)
+    _write_index(folder, {**weight_map, first: f"../{folder.name}-elsewhere/model.safetensors"})
+    return "a path outside the folder"
+
+
+def index_names_an_absolute_path(folder: Path, marker: Path) -> str:
+    tensors, weight_map, first = _shard(folder)
+    _write_index(folder, {**weight_map, first: str(_elsewhere(folder, tensors, first))})
+    return "a path outside the folder"
+
+
+def index_names_a_link_out(folder: Path, marker: Path) -> str:
+    tensors, weight_map, first = _shard(folder)
+    (folder / "linked.safetensors").symlink_to(_elsewhere(folder, tensors, first))
+    _write_index(folder, {**weight_map, first: "linked.safetensors"})
+    return "a link that leads outside the folder"
+
+
+def index_lacks_a_tensor(folder: Path, marker: Path) -> str:
+    tensors, weight_map, first = _shard(folder)
+    shard = weight_map.pop(first)
+    save_file({k: v.contiguous() for k, v in tensors.items() if weight_map.get(k) == shard}, folder / shard)
+    _write_index(folder, weight_map)
+    return first
+
+
+def index_tensor_in_two_shards(folder: Path, marker: Path) -> str:
+    tensors, weight_map, first = _shard(folder)
+    other = SHARDS[1] if weight_map[first] == SHARDS[0] else SHARDS[0]
+    part = {k: v.contiguous() for k, v in tensors.items() if weight_map[k] == other or k == first}
+    save_file(part, folder / other)  # the same tensor, a second time, in the other shard
+    _write_index(folder, weight_map)
+    return f"{first} ({SHARDS[0]}, {SHARDS[1]})"
+
+
 def model_type(kind: str):
     def spoil(folder: Path, marker: Path) -> str:
         config = json.loads((folder / "config.json").read_text())
@@ -131,6 +206,12 @@ SPOILS = {
     "wrong-shape": wrong_shape,
     "extra-tensor": extra_tensor,
     "truncated": truncated,
+    "index-names-a-bin": index_names_a_pickle,
+    "index-outside": index_names_a_file_outside,
+    "index-absolute": index_names_an_absolute_path,
+    "index-link-out": index_names_a_link_out,
+    "index-lacks-a-tensor": index_lacks_a_tensor,
+    "index-tensor-twice": index_tensor_in_two_shards,
     "type-bert": model_type("bert"),
     "type-gpt2": model_type("gpt2"),
 }
@@ -147,6 +228,7 @@ COMMANDS = {
         "generate": ["generate", "{folder}", "the fox", "--max-new-tokens", "2", "--no-stream"],
         "chat": ["chat", "{folder}"],
         "eval": ["eval", "{folder}", "--files", "{text}", "--max-tokens", "20"],
+        "eval-tasks": ["eval", "{folder}", "--tasks", "deriv_numbers", "--include-path", "{tasks}"],
         "attention": ["attention", "{folder}", "the fox", "--out", "{out}.png"],
         "quantize": ["quantize", "{folder}", "--out", "{out}"],
         "export-gpt2": ["export", "{folder}", "--to", "gpt2", "--out", "{out}"],
@@ -166,6 +248,9 @@ COMMANDS = {
     "marian": {"import": ["import", "{folder}", "--out", "{out}"]},
 }
 NATIVE = ("gpt2", "marian")  # the sources `deriv import` reads; the other bases are Deriv folders
+# The spoilings found only by loading the weights (the others are found from the folder's files and config): `deriv
+# eval --tasks` finds them after lm-evaluation-harness has indexed its tasks, some seconds in.
+LOADED_TO_FIND = ("missing-one", "no-model-tensors", "wrong-shape", "extra-tensor", "index-lacks-a-tensor")
 
 
 def cases():
@@ -176,6 +261,10 @@ def cases():
                 marks = [pytest.mark.skip(reason="quantize needs torchao")] if skip else []
                 if name == "serve" and not HAS_SERVE:
                     marks = [pytest.mark.skip(reason="the serve extra is not installed")]
+                if name == "eval-tasks" and not HAS_LM_EVAL:
+                    marks = [pytest.mark.skip(reason="the eval extra (lm-evaluation-harness) is not installed")]
+                elif name == "eval-tasks" and spoil in LOADED_TO_FIND:  # found once the harness has its tasks
+                    marks = [pytest.mark.slow]
                 yield pytest.param(base, spoil, command, id=f"{base}-{spoil}-{name}", marks=marks)
 
 
@@ -257,6 +346,7 @@ def folders(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
 
 def argv_for(command: list[str], folder: Path, folders: dict, out: Path) -> list[str]:
     values = dict(folder=folder, out=out, text=folders["text"], pairs=folders["pairs"], chats=folders["chats"])
+    values["tasks"] = DATA / "numbers_task"
     values["port"] = free_port()
     return [arg.format(**values) for arg in command]
 
@@ -318,7 +408,7 @@ def test_a_hostile_folder_is_refused_in_one_line_before_anything_is_written(
     assert [record.getMessage() for record in library_log] == []  # no LOAD REPORT beside the one line
     line = lines[0]
     assert folders[f"{base}-{spoil}:expected"] in line, line  # the file, the tensor or the type at fault
-    if spoil not in ("missing-one", "wrong-shape", "extra-tensor"):  # those name the tensor (and the file)
+    if spoil not in ("missing-one", "wrong-shape", "extra-tensor", "index-lacks-a-tensor"):  # those name the tensor
         assert str(folder) in line, line
     if "pickle" in spoil:
         assert "save_pretrained" in line and "model.safetensors" in line, line  # how to convert it, and to what
@@ -328,11 +418,13 @@ def test_a_hostile_folder_is_refused_in_one_line_before_anything_is_written(
         assert stdout == "", "the run started before the --init-from folder was refused"
 
 
-UNSPOILED = [  # fine-tuning from a sound folder is tests/test_sft.py's (and takes seconds)
-    pytest.param(base, name, id=f"{base}-{name}")
+UNSPOILED = [  # fine-tuning from a sound folder is tests/test_sft.py's (and takes seconds), as the harness's run
+    pytest.param(base, name, id=f"{base}-{name}", marks=[pytest.mark.slow] if name == "eval-tasks" else [])
     for base, commands in COMMANDS.items()
     for name in commands
-    if name not in ("train-sft", "serve") and (name != "quantize" or HAS_TORCHAO)  # serving: tests/test_serve.py
+    if name not in ("train-sft", "serve")  # serving: tests/test_serve.py
+    and (name != "quantize" or HAS_TORCHAO)
+    and (name != "eval-tasks" or HAS_LM_EVAL)
 ]
 
 
