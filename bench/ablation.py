@@ -44,8 +44,8 @@ import statistics
 import sysconfig
 
 from ..arguments import integer
-from ..errors import MissingFile, UsageError
-from .report import entry_point, markdown_table
+from ..errors import UsageError
+from .report import check_json_path, entry_point, markdown_table
 
 
 STEPS = ("paper", "pre_norm", "rotary", "rms_norm", "swiglu", "gqa")
@@ -461,8 +461,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise MissingFile(f"{flag} {path}: the folder {os.path.dirname(path) or '.'} does not exist")
+        check_json_path(path, flag)
     if args.plot:
         from ..folder.curve import pyplot
 

@@ -28,11 +28,13 @@ from .report import check_json_path, entry_point, side_by_side
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """The models' shape and Deriv's two switches, at the benchmark shape: every bench that builds models with
     `build` takes them (also `deriv picture kv-memory`)."""
-    parser.add_argument("--layers", type=integer(minimum=1), default=6)
-    parser.add_argument("--hidden", type=integer(minimum=1), default=384)
-    parser.add_argument("--heads", type=integer(minimum=1), default=6)
-    parser.add_argument("--context", type=integer(minimum=1), default=256)
-    parser.add_argument("--vocab", type=integer(minimum=1), default=8192)
+    # bounds past any model these benches are for (the 124M presets: 12 layers, 768 wide, context 1024, 50k ids),
+    # so a slip of the keyboard is one line, not minutes and gigabytes of allocation
+    parser.add_argument("--layers", type=integer(minimum=1, maximum=512), default=6)
+    parser.add_argument("--hidden", type=integer(minimum=1, maximum=1 << 16), default=384)
+    parser.add_argument("--heads", type=integer(minimum=1, maximum=1 << 10), default=6)
+    parser.add_argument("--context", type=integer(minimum=2, maximum=1 << 17), default=256)
+    parser.add_argument("--vocab", type=integer(minimum=16, maximum=1 << 20), default=8192)
     parser.add_argument("--hidden-act", default="relu", help="Deriv's feed-forward activation (GPT-2 keeps gelu_new)")
     parser.add_argument("--pre-norm", action="store_true", help="Deriv with pre-LN, as GPT-2")
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from ..errors import MissingFile
+from ..errors import MissingFile, UsageError
 
 
 def side_by_side(title: str, notes: list[str], rows: list[tuple], peer: str, peer_key: str, json_path=None) -> None:
@@ -47,10 +47,13 @@ def markdown_table(headers: list[str], rows: list[list], digits: int = 1) -> Non
         )
 
 
-def check_json_path(path: str | None) -> None:
-    """Refuse an output path whose folder does not exist before minutes of measuring, not after."""
+def check_json_path(path: str | None, flag: str = "--json") -> None:
+    """Refuse an output file that cannot be written, before minutes (or hours) of measuring, not after: its folder
+    does not exist, or the path is a folder."""
+    if path and os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder; give the file to write, such as {os.path.join(path, 'x')}")
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise MissingFile(f"--json {path}: the folder {os.path.dirname(path) or '.'} does not exist")
+        raise MissingFile(f"{flag} {path}: the folder {os.path.dirname(path) or '.'} does not exist")
 
 
 def entry_point(doc: str, add_arguments, run):

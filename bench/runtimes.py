@@ -169,6 +169,11 @@ def llama_cpp_importable() -> bool:
 def run(args) -> int:
     check_json_path(args.json)
     require_extra("runtimes", "deriv bench runtimes")
+    from ..tokenization.bpe import BYTE_ALPHABET_SIZE, LARGEST_VOCAB_SIZE, SPECIAL_TOKENS
+
+    smallest = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
+    if not smallest <= args.vocab <= LARGEST_VOCAB_SIZE:  # the byte-level BPE the folder carries
+        raise UsageError(f"--vocab {args.vocab}: the BPE needs {smallest} to {LARGEST_VOCAB_SIZE} ids")
     if args.prompt + args.new_tokens > args.context:
         raise UsageError(f"--prompt + --new-tokens = {args.prompt + args.new_tokens}: past --context {args.context}")
     if args.hidden_act != "relu" or args.pre_norm:

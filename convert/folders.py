@@ -118,6 +118,12 @@ def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise MissingFile(f"{source} has no tokenizer that transformers can load: {error}") from error
+    # transformers builds one of special tokens alone from a folder without tokenizer files
+    if not tokenizer.vocab_size or len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        raise MissingFile(
+            f"{source} has no tokenizer (no tokenizer.json, vocab.json and merges.txt, or SentencePiece model): "
+            "copy the checkpoint's tokenizer files into it, then import"
+        )
     if padding_side:
         tokenizer.padding_side = padding_side
     tokenizer.save_pretrained(target_dir)

@@ -29,6 +29,16 @@ MAX_BEAMS = 64
 # torch.manual_seed takes 64 bits, numpy (and transformers' set_seed, which seeds it) 32: a seed that works for all.
 MAX_SEED = 2**32 - 1
 
+# The presence and frequency penalties, as the OpenAI API bounds them: one range for `deriv generate` and `deriv
+# chat`'s flags, `deriv serve`'s requests and the explorer's controls.
+PENALTY_LIMIT = 2.0
+
+# The servers' bounds on one client (`deriv serve`, `deriv explore`; serving/guard.py): the seconds a request body
+# may take to arrive once its headers have (`deriv serve --read-timeout`), and the bytes of the request line and
+# headers together (h11's own default).
+BODY_SECONDS = 30.0
+MAX_HEADER_BYTES = 16 * 1024
+
 
 def _bounds(minimum, maximum, above, below) -> str:
     parts = []
@@ -90,6 +100,27 @@ def number(
 
     parse.__name__ = "number"
     return parse
+
+
+def invalid_text(value: str) -> str | None:
+    """Why `value` is not text a tokenizer can take, or None: a lone surrogate (`"\\ud800"` in JSON), or a byte that
+    was not UTF-8 (Python reads such a byte of a command line or a file as a surrogate, `surrogateescape`)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        char = ord(value[error.start])
+        what = f"the byte 0x{char - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= char <= 0xDCFF else None
+        return f"{what or f'a lone surrogate (U+{char:04X})'} at character {error.start}"
+    return None
+
+
+def plain_text(value: str) -> str:
+    """An argparse type: text a model reads (a prompt, a message, a sentence), refused if it is not valid Unicode,
+    as `deriv: error: argument prompt: not valid text: the byte 0xff, which is not UTF-8 at character 2`."""
+    why = invalid_text(value)
+    if why:
+        raise argparse.ArgumentTypeError(f"not valid text: {why}")
+    return value
 
 
 def looks_local(text: str) -> bool:

@@ -26,7 +26,7 @@ import os
 import signal
 import time
 
-from .arguments import integer, model_folder
+from .arguments import BODY_SECONDS, MAX_HEADER_BYTES, integer, model_folder, number
 from .errors import MissingFile, UsageError
 
 
@@ -85,6 +85,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the largest request body; a larger one gets 413 before it is read (default: {MAX_BODY_BYTES})",
     )
     parser.add_argument(
+        "--read-timeout",
+        type=number(above=0, maximum=3600),
+        default=BODY_SECONDS,
+        help=f"seconds a request body may take to arrive; a slower one gets 408 (default: {BODY_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name the Host header may give besides localhost, --host and IP addresses (a proxy's; repeat it for "
+        "more). Other names are refused: a page elsewhere cannot reach this server through DNS rebinding",
+    )
+    parser.add_argument(
         "--max-concurrent-requests",
         type=integer(minimum=1, maximum=100_000),
         default=64,
@@ -104,9 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    check_flags(ns)
     check_extra()
     device = resolve_device(ns.device)
     sock = listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
+    ns.port = sock.getsockname()[1]  # the one the OS chose for --port 0
     try:
         served = load(ns, device)
     except BaseException:
@@ -118,6 +134,25 @@ def run(ns: argparse.Namespace) -> int:
     finally:
         served.engine.stop()
     return 0
+
+
+def check_flags(ns: argparse.Namespace) -> None:
+    """Flags that cannot do what they say, refused before anything starts."""
+    if ns.served_model_name is not None and (not ns.served_model_name.strip() or "/" in ns.served_model_name[:1]):
+        raise UsageError(
+            f"--served-model-name {ns.served_model_name!r}: give the id clients will send as `model` (not empty, "
+            "not a path); leave it out for the folder's name"
+        )
+    sized = [
+        flag
+        for flag, value in (("--cb-num-blocks", ns.cb_num_blocks), ("--cb-max-batch-tokens", ns.cb_max_batch_tokens))
+        if value is not None
+    ]
+    if sized and not ns.continuous_batching:
+        raise UsageError(
+            f"{' and '.join(sized)} size the paged cache of --continuous-batching, which is off: add "
+            "--continuous-batching, or leave them out"
+        )
 
 
 def check_extra() -> None:
@@ -213,6 +248,10 @@ def load(ns: argparse.Namespace, device: str):
         max_body_bytes=ns.max_body_bytes,
         max_concurrent_requests=ns.max_concurrent_requests,
         aliases=(folder,),
+        host=ns.host,
+        port=ns.port,
+        allowed_hosts=tuple(ns.allow_host),
+        body_seconds=ns.read_timeout,
     )
 
 
@@ -229,9 +268,7 @@ def run_server(app, sock, log_level: str = "warning") -> None:
     both end this way."""
     import uvicorn
 
-    config = uvicorn.Config(
-        app, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level in ("info", "debug")
-    )
+    config = server_config(app, log_level)
     # subtle: after its graceful stop uvicorn raises the signal it caught again, for the handler it found; these
     # handlers take it, so SIGTERM (docker stop, systemd) ends in exit status 0 and Ctrl-C as every command's does
     received: list[int] = []
@@ -243,6 +280,22 @@ def run_server(app, sock, log_level: str = "warning") -> None:
             signal.signal(sig, handler)
     if signal.SIGINT in received:
         raise KeyboardInterrupt
+
+
+def server_config(app, log_level: str = "warning", **options):
+    """uvicorn's settings for both servers: a graceful stop of 5 s, and h11's parser, which bounds the request line
+    and headers (`MAX_HEADER_BYTES`: a larger header block is refused before any route sees it)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        access_log=log_level in ("info", "debug"),
+        http="h11",
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        **options,
+    )
 
 
 def check_servable(folder: str | os.PathLike) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from ..arguments import invalid_text
+
 
 RESET = "/reset"
 
@@ -95,6 +97,8 @@ def chat(model, tokenizer, conversation: Conversation, options: dict, processors
     With piped input nobody sees what was typed, so each message is echoed as `> message` and each reply is
     followed by a blank line: the output reads as a transcript, one turn after another."""
     stdin = stdin or sys.stdin  # read when called, so a replaced sys.stdin is the one read
+    if hasattr(stdin, "reconfigure"):  # a byte that is not UTF-8 becomes a message's note, not a traceback
+        stdin.reconfigure(errors="surrogateescape")
     context = model.config.max_position_embeddings
     wanted = min(options.pop("max_new_tokens"), context - 1)
     told = False
@@ -103,6 +107,10 @@ def chat(model, tokenizer, conversation: Conversation, options: dict, processors
         if text.strip() == RESET:
             conversation.reset()
             print("deriv: note: the conversation is cleared", file=sys.stderr)
+            continue
+        why = invalid_text(text)
+        if why:
+            print(f"deriv: note: that message is not valid text ({why}); type it again", file=sys.stderr)
             continue
         if not prompt:
             print(f"> {text}", flush=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..arguments import MAX_BEAMS, integer, model_folder, number
+from ..arguments import MAX_BEAMS, integer, model_folder, number, plain_text
 from ..data.corpus import add_corpus_arguments, corpus_from_args
 from ..errors import UsageError
 from ..folder.load import load_folder
@@ -17,7 +17,9 @@ from .sampling import add_sampling_arguments, penalty_processors, sampling_optio
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     """`deriv generate FOLDER PROMPT`."""
     gen.add_argument("folder", type=model_folder)
-    gen.add_argument("prompt", help="the text to continue; an empty prompt starts from the <bos> token")
+    gen.add_argument(
+        "prompt", type=plain_text, help="the text to continue; an empty prompt starts from the <bos> token"
+    )
     add_sampling_arguments(gen)
     gen.add_argument("--num-beams", type=integer(minimum=1, maximum=MAX_BEAMS), default=None)
     gen.add_argument("--no-stream", action="store_true", help="print at the end instead of token by token")
@@ -33,7 +35,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         f"model's context. An empty line or end of input ends it; {RESET} starts over (keeping --system)."
     )
     parser.add_argument("folder", type=model_folder)
-    parser.add_argument("--system", default=None, help="a system message that opens the conversation")
+    parser.add_argument("--system", type=plain_text, default=None, help="a system message that opens the conversation")
     add_sampling_arguments(parser)
     add_trust_argument(parser)
     parser.set_defaults(func=run_chat)
@@ -42,7 +44,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 def add_translate_arguments(tr: argparse.ArgumentParser) -> None:
     """`deriv translate FOLDER TEXT...`."""
     tr.add_argument("folder", type=model_folder)
-    tr.add_argument("text", nargs="+", help="one or more source sentences")
+    tr.add_argument("text", nargs="+", type=plain_text, help="one or more source sentences")
     beams = integer(minimum=1, maximum=MAX_BEAMS)
     tr.add_argument("--num-beams", type=beams, default=None, help="default: the folder's generation config")
     tr.add_argument("--length-penalty", type=number(), default=None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..arguments import MAX_SEED, integer, number
+from ..arguments import MAX_SEED, PENALTY_LIMIT, integer, number
 
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty")
@@ -21,8 +21,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=integer(minimum=0), default=None, help="0 keeps every token")
     parser.add_argument("--top-p", type=number(above=0, maximum=1), default=None)
     parser.add_argument("--repetition-penalty", type=number(above=0), default=None)
-    parser.add_argument("--presence-penalty", type=number(), default=0.0)
-    parser.add_argument("--frequency-penalty", type=number(), default=0.0)
+    penalty = number(minimum=-PENALTY_LIMIT, maximum=PENALTY_LIMIT)  # the OpenAI API's range, as deriv serve's
+    parser.add_argument("--presence-penalty", type=penalty, default=0.0)
+    parser.add_argument("--frequency-penalty", type=penalty, default=0.0)
     parser.add_argument("--greedy", action="store_true", help="no sampling: the most likely token each step")
     parser.add_argument("--seed", type=integer(minimum=0, maximum=MAX_SEED), default=0)
 

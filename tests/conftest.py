@@ -217,8 +217,9 @@ class ServerThread(ServerProcess):
         self._handler = logging.StreamHandler(self._text)
         self._handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         self._handler.addFilter(lambda r: r.thread == self.thread.ident or r.thread not in ServerThread.running)
-        # log_config=None: uvicorn leaves logging as it is, so its records reach the handler below
-        self.runner = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning"))
+        # the commands' own uvicorn settings; log_config=None: uvicorn leaves logging as it is, so its records
+        # reach the handler below
+        self.runner = uvicorn.Server(serve.server_config(app, log_config=None))
         self.thread = threading.Thread(target=self.runner.run, kwargs={"sockets": [self.sock]}, daemon=True)
         logging.getLogger().addHandler(self._handler)
         self.thread.start()

@@ -108,9 +108,29 @@ def paths(tmp_path_factory) -> dict[str, str]:
     p["lm_truncated"] = broken("lm_truncated", p["lm"], truncate)
     p["lm_no_weights"] = broken("lm_no_weights", p["lm"], lambda t: (t / "model.safetensors").unlink())
     p["lm_bad_tokenizer"] = broken("lm_bad_tokenizer", p["lm"], lambda t: (t / "tokenizer.json").write_text("[]"))
+    p["lm_binary_config"] = broken(
+        "lm_binary_config", p["lm"], lambda t: (t / "config.json").write_bytes(bytes(range(256)) * 4)
+    )
     p["long_prompt"] = "word " * 200  # far past the 32-token context
     p["marian"] = str(marian_with_sentencepiece(root / "marian"))
+    p["gpt2_odd_heads"], p["gpt2_no_tokenizer"] = gpt2_sources(root)
     return p
+
+
+def gpt2_sources(root):
+    """Two GPT-2 checkpoints `deriv import` must refuse: one whose n_embd (30) is not a multiple of its n_head (4),
+    one without tokenizer files (transformers would hand back an empty vocabulary)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    good = root / "gpt2_no_tokenizer"
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=4, n_positions=32)).save_pretrained(good)
+    odd = root / "gpt2_odd_heads"
+    shutil.copytree(good, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "n_embd": 30}))
+    return str(odd), str(good)
 
 
 def marian_with_sentencepiece(folder):
@@ -390,8 +410,45 @@ BENCH_CASES = [
 ]
 TOP_CASES = [[], ["bogus"], ["train"], ["tokenizer"], ["picture"]]
 
+# What a hostile user found accepted or answered with a traceback: each now one line, before any work.
+FOUND_CASES = [
+    ["generate", "{lm_binary_config}", "hello"],
+    ["generate", "{lm}", "hello", "--frequency-penalty", "1e9"],
+    ["generate", "{lm}", "hello", "--presence-penalty", "-2.5"],
+    ["chat", "{lm}", "--frequency-penalty", "3"],
+    ["serve", "{lm}", "--served-model-name", ""],
+    ["serve", "{lm}", "--served-model-name", "/etc/passwd"],
+    ["serve", "{lm}", "--cb-num-blocks", "4"],
+    ["serve", "{lm}", "--cb-max-batch-tokens", "64"],
+    ["bench", "runtimes", "--vocab", "1"],
+    ["bench", "runtimes", "--vocab", "100"],
+    ["bench", "runtimes", "--context", "1000000000"],
+    ["bench", "decoder", "--layers", "100000"],
+    ["bench", "ablation", "--plot", "{emptydir}", "--output-dir", OUT],
+    ["bench", "ablation", "--json", "{emptydir}", "--output-dir", OUT],
+    ["bench", "decoder", "--json", "{emptydir}"],
+    ["import", "{gpt2_odd_heads}", "--out", OUT],
+    ["import", "{gpt2_no_tokenizer}", "--out", OUT],
+]
+
+# Text that is not valid Unicode, at every command-line entry point for text: a byte that is not UTF-8 (`$'\xff'`
+# in a shell, which Python reads into argv as the surrogate \udcff) and a lone surrogate.
+TEXT_CASES = [
+    ["generate", "{lm}", "1 \udcff :"],
+    ["generate", "{lm}", "\ud800"],
+    ["chat", "{lm}", "--system", "\udcff"],
+    ["translate", "{mt}", "\ud800"],
+    ["translate", "{mt}", "hello", "\udfff"],
+    ["attention", "{lm}", "\udcff"],
+    ["attention", "{mt}", "hello", "--target", "\ud800"],
+    ["picture", "tokens", "{lm}", "\udcff"],
+    ["picture", "temperature", "{lm}", "\ud800"],
+    ["tokenizer", "show", "{tok}", "\udcff"],
+]
+
 CASES = (
-    TOKENIZER_TRAIN_CASES
+    TEXT_CASES
+    + TOKENIZER_TRAIN_CASES
     + TOKENIZER_USE_CASES
     + TRAIN_LM_CASES
     + TRAIN_MT_CASES
@@ -402,6 +459,7 @@ CASES = (
     + VIZ_CASES
     + BENCH_CASES
     + TOP_CASES
+    + FOUND_CASES
 )
 
 
@@ -453,6 +511,17 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(case, paths, capsys):
     after = [digest(w) if os.path.isdir(w) else hashlib.sha256(open(w, "rb").read()).hexdigest() for w in watched]
     assert before == after, "a folder or file the command was given changed"
     assert not left_behind, "an output was left behind"
+
+
+@pytest.mark.parametrize("case", TEXT_CASES, ids=case_id)
+def test_text_that_is_not_unicode_is_named_as_such(case, paths, capsys):
+    try:
+        status = main([arg.format(**paths) for arg in case])
+    except SystemExit as stop:
+        status = stop.code
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and "not valid text: " in line, line
+    assert ("the byte 0xff, which is not UTF-8" in line) or ("a lone surrogate (U+D" in line), line
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])

@@ -129,6 +129,17 @@ def test_reset_and_an_empty_line(numbers_chat, loaded, seen, capsys, monkeypatch
     assert transcript(out)[-1] == ("7 2 :", greedy_reply(loaded, fresh)[0])
 
 
+def test_a_message_that_is_not_utf8_is_noted_and_the_chat_goes_on(numbers_chat, seen, capsys, monkeypatch):
+    """Bytes that are not UTF-8 on stdin (a pasted Latin-1 line) are one note, and the next message is answered."""
+    stdin = io.TextIOWrapper(io.BytesIO(b"5 3 1 8 :\n7 \xff 2 :\n7 2 :\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    capsys.readouterr()
+    assert main(["chat", str(numbers_chat), *GREEDY]) == 0
+    out, err = capsys.readouterr()
+    assert [message for message, _ in transcript(out)] == ["5 3 1 8 :", "7 2 :"] and len(seen) == 2
+    assert "that message is not valid text (the byte 0xff, which is not UTF-8 at character 2)" in err
+
+
 def test_an_old_folder_chats_with_a_system_message_and_typed_eos_is_text(seen, capsys, monkeypatch):
     folder = DATA / "numbers_lm"  # its template is the one saved before the generation marks
     flags = [*GREEDY, "--max-new-tokens", "3", "--system", "Be brief."]

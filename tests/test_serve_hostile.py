@@ -257,6 +257,29 @@ ROWS = [
     ("prompt an object", P, completion(prompt={"text": "7"}), 400, "prompt"),
     ("prompt past the context", P, completion(prompt=LONG), 400, "prompt"),
     ("prompt of 64 ids", P, completion(prompt=[5] * 64), 400, "prompt"),
+    # text that is not valid Unicode: JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+    ("prompt a lone surrogate", P, completion(prompt="7 \ud800"), 400, "prompt"),
+    ("prompt a low surrogate", P, completion(prompt="\udfff"), 400, "prompt"),
+    ("a prompt in a list, a surrogate", P, completion(prompt=["\ud800"]), 400, "prompt.0"),
+    ("content a surrogate", C, message(content="7 \ud800 3"), 400, "messages.1.content"),
+    (
+        "the system message a surrogate",
+        C,
+        chat(messages=[{"role": "system", "content": "\ud800"}, USER]),
+        400,
+        "messages.0.content",
+    ),
+    (
+        "a content part a surrogate",
+        C,
+        message(content=[{"type": "text", "text": "\udfff"}]),
+        400,
+        "messages.1.content.0.text",
+    ),
+    ("stop a surrogate", P, completion(stop="\ud800"), 400, "stop"),
+    ("a stop in a list, a surrogate", C, chat(stop=["x", "\ud800"]), 400, "stop.1"),
+    ("model a surrogate", P, completion(model="\ud800"), 400, "model"),
+    ("user a surrogate", C, chat(user="\udfff"), 400, "user"),
 ]
 
 # what the old server's model management did: here nothing but 404 and 405
@@ -318,6 +341,78 @@ def test_each_hostile_request_is_refused_naming_its_field_and_the_server_goes_on
     assert not failures, "\n".join(failures)
     log = server.log_tail(10**7)
     assert "Traceback" not in log and "Exception" not in log, log[-3000:]
+
+
+# The server's edges, before any route: (what, method, path, body, headers, status, words of the message). {port}
+# is the server's. A foreign Host is DNS rebinding; a body that is not declared JSON is what a page elsewhere can
+# send without a CORS preflight; a trailing slash would be a redirect built from the Host header.
+BIG_NUMBER = b'{"prompt": "7", "max_tokens": ' + b"9" * 5000 + b"}"
+EDGES = [
+    ("a foreign Host", "POST", P, COMPLETION, {"Host": "evil.example:{port}"}, 400, "is not this server's address"),
+    ("Host with another port", "POST", P, COMPLETION, {"Host": "127.0.0.1:1"}, 400, "is not this server's address"),
+    ("Host a rebinding name", "GET", "/health", None, {"Host": "localhost.evil.example:{port}"}, 400, "address"),
+    ("a text/plain body", "POST", P, COMPLETION, {"Content-Type": "text/plain"}, 415, "application/json"),
+    ("a form body", "POST", C, CHAT, {"Content-Type": "application/x-www-form-urlencoded"}, 415, "application/json"),
+    ("a trailing slash", "POST", P + "/", COMPLETION, {}, 404, "no such endpoint"),
+    ("a trailing slash, chat", "POST", C + "/", CHAT, {}, 404, "no such endpoint"),
+    ("a 5000-digit integer", "POST", P, BIG_NUMBER, {}, 400, "a number out of range"),
+    ("invalid UTF-8", "POST", C, b'{"messages": "\xff\xfe"}', {}, 400, "not valid UTF-8"),
+    ("a 100 KB header", "GET", "/health", None, {"X-Padding": "x" * 100_000}, 431, "over this server's limit"),
+]
+
+
+@pytest.mark.parametrize("what, method, path, body, headers, status, words", EDGES, ids=[e[0] for e in EDGES])
+def test_the_edges_refuse_before_any_route(server, reference, what, method, path, body, headers, status, words):
+    raw = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    headers = {k: v.format(port=server.port) for k, v in headers.items()}
+    got, payload, reply_headers = server.send(method, path, raw, headers)
+    assert got == status, (got, payload)
+    assert "location" not in {k.lower() for k in reply_headers}  # never a redirect
+    assert words in payload["error"]["message"] and payload["error"]["type"], payload
+    assert valid_text(server) == reference["completions"][PROMPT]
+    assert "Traceback" not in server.log_tail(10**7)
+
+
+def open_body(port: int, declared: int, sent: bytes):
+    """A connection that declares a body of `declared` bytes and sends only `sent` of it."""
+    import socket
+
+    connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        f"POST {P} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {declared}\r\n\r\n"
+    )
+    connection.sendall(head.encode() + sent)
+    return connection
+
+
+def test_a_slow_body_is_refused_in_time_and_a_hang_up_is_one_quiet_line(folder, reference, caplog):
+    """A client that declares 1000 bytes and sends 10 gets 408 once --read-timeout (1 s here) has passed, not a
+    connection held open; 50 clients that hang up mid-body leave one line each at INFO and no traceback."""
+    import logging
+    import time
+
+    server = ServerThread(folder, "--read-timeout", "1")
+    try:
+        with open_body(server.port, 1000, b'{"prompt":') as slow:
+            started = time.monotonic()
+            reply = slow.recv(4096).decode()
+            assert reply.startswith("HTTP/1.1 408"), reply
+            assert "did not arrive within 1 s" in reply and time.monotonic() - started < 20
+        with caplog.at_level(logging.INFO, logger="deriv_lm.serve"):
+            for _ in range(50):
+                open_body(server.port, 1000, b'{"prompt": "7').close()
+            deadline = time.monotonic() + 20
+            while len([r for r in caplog.records if "disconnected" in r.getMessage()]) < 50:
+                assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records][-5:]
+                time.sleep(0.05)
+        gone = [r for r in caplog.records if "disconnected" in r.getMessage()]
+        assert all(r.exc_info is None and r.levelno == logging.INFO for r in gone)
+        assert gone[0].getMessage() == f"POST {P}: the client disconnected before its request arrived"
+        assert valid_text(server) == reference["completions"][PROMPT]
+        assert "Traceback" not in server.log_tail(10**7)
+    finally:
+        assert server.stop() == 0
 
 
 def test_unsupported_routes_are_404_or_405_in_the_error_shape(server, reference):

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..arguments import existing_folder, integer, number
+from ..arguments import existing_folder, integer, invalid_text, number, plain_text
 from ..data.corpus import add_corpus_arguments, corpus_from_args
 from ..errors import UsageError
 from .bpe import (
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     show = sub.add_parser("show", help="show how a text splits into tokens")
     show.add_argument("folder", type=existing_folder, help="a tokenizer (or model) folder")
-    show.add_argument("text", nargs="?", help="the text (default: read standard input)")
+    show.add_argument("text", nargs="?", type=plain_text, help="the text (default: read standard input)")
     show.set_defaults(func=run_show)
 
     stats = sub.add_parser("stats", help="vocabulary statistics, and characters per token on a sample")
@@ -98,7 +98,11 @@ def _load(folder: str):
 def run_show(args: argparse.Namespace) -> int:
     from .viewer import show_tokens
 
+    if args.text is None and hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")  # a byte that is not UTF-8 is one line, not a traceback
     text = args.text if args.text is not None else sys.stdin.read()
+    if invalid_text(text):
+        raise UsageError(f"standard input is not valid text: {invalid_text(text)}")
     print(show_tokens(_load(args.folder), text))
     return 0
 

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..arguments import command_name, existing_folder, integer, model_folder, number
+from ..arguments import command_name, existing_folder, integer, model_folder, number, plain_text
 from ..errors import MissingFile, UsageError, require_extra
 
 
@@ -26,8 +26,10 @@ def add_attention_arguments(att: argparse.ArgumentParser) -> None:
     """`deriv attention FOLDER TEXT`."""
     att.add_argument("folder", type=model_folder)
     add_trust_argument(att)
-    att.add_argument("text")
-    att.add_argument("--target", default=None, help="translation: the target text (default: the model's own)")
+    att.add_argument("text", type=plain_text)
+    att.add_argument(
+        "--target", type=plain_text, default=None, help="translation: the target text (default: the model's own)"
+    )
     att.add_argument("--layers", type=integer(minimum=0), nargs="+", default=None, help="layer indices (default: all)")
     att.add_argument("--heads", type=integer(minimum=0), nargs="+", default=None, help="head indices (default: all)")
     att.add_argument("--average", action="store_true", help="one panel per layer: the mean over heads")
@@ -51,13 +53,15 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
     tok = kinds.add_parser("tokens", help="how a folder's tokenizer splits a text (a model's or a tokenizer's folder)")
     tok.add_argument("folder", type=existing_folder)
     add_trust_argument(tok)
-    tok.add_argument("text", help="counted whole; the picture draws its first tokens (a note says where it stops)")
+    tok.add_argument(
+        "text", type=plain_text, help="counted whole; the picture draws its first tokens (a note says where it stops)"
+    )
     tok.add_argument("--out", default="tokens.png")
     tok.set_defaults(func=_plotting(lambda ns: _done(_tokens(ns))))
     tmp = kinds.add_parser("temperature", help="next-token distribution at several temperatures, top-k/top-p marked")
     tmp.add_argument("folder", type=model_folder)
     add_trust_argument(tmp)
-    tmp.add_argument("text")
+    tmp.add_argument("text", type=plain_text)
     tmp.add_argument(
         "--temperatures", type=number(above=0), nargs="+", default=[0.5, 1.0, 2.0], help="two or more, to compare"
     )
@@ -135,6 +139,7 @@ def run_explore(ns: argparse.Namespace) -> int:
     check_model_type(ns.folder, read_folder(ns.folder).config.get("model_type"), consent=None)
     device = resolve_device(ns.device)
     sock = listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
+    ns.port = sock.getsockname()[1]  # the one the OS chose for --port 0
     try:
         from .explorer.app import build_app
         from .explorer.compute import Explorer

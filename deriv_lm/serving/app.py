@@ -5,7 +5,8 @@
     GET  /v1/models             the one model this server serves
     GET  /health                200 while requests can be served, 503 (and why) otherwise
 
-A request goes through, in order: the body limit (413 before anything is parsed), JSON, the schema of
+A request goes through, in order: the Host header (400 unless it names this server), the body's Content-Type
+(415 unless JSON), the body limit and its time (413 and 408, before anything is parsed), JSON, the schema of
 `protocol.py` (400 naming the field), the model name (404), what this server's mode can honour (400), the
 prompt against the context and the vocabulary (400 with the numbers), the limit of requests in flight (429),
 and only then the engine. Any other path is 404, any other method 405, in the same error shape.
@@ -25,10 +26,22 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .engines import END, Job, JobFailed
+from .guard import (
+    BODY_SECONDS,
+    MAX_HEADER_BYTES,
+    ClientGone,
+    HostCheck,
+    gone,
+    header_bytes,
+    header_refusal,
+    host_of,
+    read_json,
+    require_json,
+)
 from .protocol import ChatRequest, CompletionRequest, RequestError, Sampling, error_body, parse
 
 
@@ -48,6 +61,10 @@ class Served:
     max_body_bytes: int = 1 << 20
     max_concurrent_requests: int = 64
     aliases: tuple[str, ...] = ()  # other names a request may use for the same model (the folder as given)
+    host: str = "127.0.0.1"  # the address it listens on, and its port: the Host headers it answers
+    port: int = 8000
+    allowed_hosts: tuple[str, ...] = ()  # more names a Host header may give (--allow-host, for a proxy)
+    body_seconds: float = BODY_SECONDS  # the longest a request body may take to arrive (--read-timeout)
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0
     # subtle: encoding with `split_special_tokens` flips a flag on the one Rust tokenizer the fast tokenizer wraps
@@ -319,7 +336,13 @@ def build_app(served: Served):
         watcher.cancel()
 
     app = FastAPI(title="deriv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.router.redirect_slashes = False  # `/v1/completions/` is 404, not a redirect built from the Host header
     app.state.served = served
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, error: ClientGone):
+        gone(request)
+        return Response(status_code=400)  # nobody reads it
 
     @app.exception_handler(RequestError)
     async def _refused(request: Request, error: RequestError):
@@ -348,7 +371,8 @@ def build_app(served: Served):
 
     async def complete(request: Request, endpoint: Endpoint):
         """The checks of the module docstring, in its order, then the engine."""
-        body = await read_json(request, served.max_body_bytes)
+        require_json(request)
+        body = await read_json(request, served.max_body_bytes, served.body_seconds)
         parsed = parse(endpoint.schema, body)
         check_model(served, parsed)
         sampling = sampling_settings(served, parsed)
@@ -454,7 +478,25 @@ def build_app(served: Served):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    return app
+    return HostGuard(app, HostCheck(served.host, served.port, served.allowed_hosts))
+
+
+class HostGuard:
+    """ASGI middleware around the whole app: a request whose headers are over MAX_HEADER_BYTES is refused 431, one
+    whose Host header does not name this server 400 (`guard.HostCheck`: DNS rebinding), in the OpenAI error
+    shape, before any route or body is read."""
+
+    def __init__(self, app, check: HostCheck):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and header_bytes(scope) > MAX_HEADER_BYTES:
+            body = error_body(header_refusal(header_bytes(scope)), "invalid_request_error", code="headers_too_large")
+            return await JSONResponse(body, status_code=431)(scope, receive, send)
+        if scope["type"] == "http" and not self.check.allowed(host_of(scope)):
+            body = error_body(self.check.refusal(host_of(scope)), "invalid_request_error", code="invalid_host")
+            return await JSONResponse(body, status_code=400)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def _model_card(served: Served) -> dict:
@@ -469,29 +511,3 @@ def _model_card(served: Served) -> dict:
 
 async def _in_thread(function, *args):
     return await asyncio.to_thread(function, *args)
-
-
-async def read_json(request, limit: int) -> Any:
-    """The body as JSON, read only up to `limit` bytes: a larger one is refused (413) before it is parsed."""
-    declared = request.headers.get("content-length")
-    too_large = RequestError(
-        f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes)",
-        status=413,
-        code="request_too_large",
-    )
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    if not body.strip():
-        raise RequestError("the request has no body: send a JSON object")
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as error:  # RecursionError: a body nested deeper than Python recurses
-        reason = error.msg if isinstance(error, json.JSONDecodeError) else "it is nested too deeply"
-        raise RequestError(f"the request body is not valid JSON: {reason}") from None

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..arguments import PENALTY_LIMIT, invalid_text
+
 
 SEED_RANGE = (0, 2**64 - 1)  # what torch.manual_seed takes
 MAX_STOPS = 4  # the OpenAI API's limit on `stop` sequences
@@ -62,7 +64,7 @@ UNSUPPORTED = {
 
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 Positive = Annotated[int, Field(ge=1)]
 
@@ -229,12 +231,33 @@ def parse(kind: type[Sampling], body: Any) -> Sampling:
     """The request, validated; RequestError (400) naming the first bad field otherwise."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, not {json_type(body)}")
+    found = first_invalid_text(body)
+    if found is not None:
+        param, why = found
+        raise RequestError(f"{param}: not valid text: {why}" if param else f"not valid text: {why}", param=param)
     try:
         return kind.model_validate(body)
     except RequestError:
         raise
     except ValidationError as error:
         raise _first_error(error) from None
+
+
+def first_invalid_text(value: Any, path: tuple[str, ...] = ()) -> tuple[str | None, str] | None:
+    """(the dotted path of, why) the first string of a JSON value, key or value, that is not valid Unicode (JSON's
+    `"\\ud800"` decodes to a lone surrogate, which no tokenizer takes), or None."""
+    if isinstance(value, str):
+        why = invalid_text(value)
+        return (".".join(path) or None, why) if why else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = (*path, str(key))
+        if isinstance(key, str) and invalid_text(key):
+            return ".".join(path) or None, f"a field name: {invalid_text(key)}"
+        found = first_invalid_text(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _first_error(error: ValidationError) -> RequestError:

@@ -20,18 +20,27 @@ in a worker thread, one request at a time under the Explorer's lock.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException
 
 from ...errors import UsageError
-from ...serving.app import read_json
+from ...serving.guard import (
+    MAX_HEADER_BYTES,
+    ClientGone,
+    HostCheck,
+    gone,
+    header_bytes,
+    header_refusal,
+    host_of,
+    read_json,
+    require_json,
+)
 from ...serving.protocol import RequestError, is_branch, json_type
 from . import compute
 from .compute import MAX_STEPS, MAX_TEMPERATURE, MAX_TOP, MIN_TEMPERATURE, PENALTY_LIMIT
@@ -211,16 +220,13 @@ def build_app(ex, host: str, port: int, max_body_bytes: int):
             logger.exception("deriv explore: %s failed", function.__name__)
             raise RequestError(INTERNAL, status=500) from None
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, error: ClientGone):
+        gone(request)
+        return Response(status_code=400)  # nobody reads it
+
     async def body_of(request: Request, schema: type[BaseModel]):
-        # subtle: a page on another site may POST text/plain or a form to 127.0.0.1 without asking (a "simple"
-        # request: no CORS preflight); it cannot read the reply, but it could keep the model busy. JSON it cannot
-        # send without the preflight this server never grants.
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            raise RequestError(
-                f"the body is sent as {kind or 'no Content-Type'}; send it as Content-Type: application/json",
-                status=415,
-            )
+        require_json(request)  # the checks every Deriv server makes: serving/guard.py
         return parse(schema, await read_json(request, max_body_bytes))
 
     @app.get("/")
@@ -278,13 +284,11 @@ class Guard:
 
     subtle: DNS rebinding is a page on evil.example whose name is then pointed at 127.0.0.1: its scripts reach
     this server as same-origin, but their Host header still says evil.example. A name is accepted only if it
-    cannot be rebound that way: localhost, the --host given, or an IP address literal, with this server's port."""
+    cannot be rebound that way: localhost, the --host given, or an IP address literal, with this server's port
+    (`serving.guard.HostCheck`, `deriv serve`'s check too)."""
 
     def __init__(self, app, host: str, port: int):
-        self.app, self.port = app, port
-        self.names = {"localhost", host.lower().strip("[]")}
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else f"[{host}]" if ":" in host else host
-        self.home = f"http://{shown}:{port}/"
+        self.app, self.check = app, HostCheck(host, port)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -303,33 +307,11 @@ class Guard:
                 message = {**message, "headers": kept + extra}
             await send(message)
 
-        host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
-        if not self.allowed(host):
-            shown = host[:100] or "(none)"
-            refusal = JSONResponse(
-                error_body(f"Host {shown!r} is not this server's address; open {self.home}"),
-                status_code=400,
-            )
+        if header_bytes(scope) > MAX_HEADER_BYTES:
+            refusal = JSONResponse(error_body(header_refusal(header_bytes(scope))), status_code=431)
+            return await refusal(scope, receive, send_guarded)
+        host = host_of(scope)
+        if not self.check.allowed(host):
+            refusal = JSONResponse(error_body(self.check.refusal(host)), status_code=400)
             return await refusal(scope, receive, send_guarded)
         return await self.app(scope, receive, send_guarded)
-
-    def allowed(self, host: str) -> bool:
-        host = host.strip().lower()
-        if host.endswith("]") or ":" not in host:  # `[::1]` or `localhost`: no port, so port 80
-            name, port = host, "80"
-        elif host.startswith("["):  # `[::1]:8008`
-            name, _, port = host.rpartition(":")
-        elif host.count(":") == 1:
-            name, _, port = host.partition(":")
-        else:
-            return False
-        name = name.strip("[]")
-        if port != str(self.port) or not name:
-            return False
-        if name in self.names:
-            return True
-        try:
-            ipaddress.ip_address(name)
-        except ValueError:
-            return False
-        return True

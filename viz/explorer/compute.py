@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...arguments import PENALTY_LIMIT
 from ...errors import UsageError
 from ...tokenization.viewer import _token_bytes
 
@@ -36,7 +37,6 @@ CACHED_FORWARDS = 4  # the attention of the last few forwards, so that switching
 # 1024 are 604 MB a forward; the small preset's 6 x 6 at 256, 9 MB)
 CACHED_BYTES = 1024 * 1024 * 1024
 OVERVIEW_CELLS = 24  # each head's thumbnail: its map average-pooled to at most this many cells a side
-PENALTY_LIMIT = 2.0
 MAX_TEMPERATURE = 100.0
 # Below this, logits of float32 models divided by T overflow to inf and the softmax is not a number (1e-39 does).
 MIN_TEMPERATURE = 0.01
