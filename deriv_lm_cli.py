@@ -9,6 +9,7 @@ every room.) A command to run is handed, whole, to `deriv_lm.cli.main`.
 
 import importlib.util
 import os
+import signal
 import sys
 
 
@@ -35,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before any command ran: the same line as a command's
         print("deriv: interrupted (SIGINT)", file=sys.stderr)
         return 130
-    return run(argv)
+    code = run(argv)
+    # The command is done and has said so. Python's exit still joins threads and frees modules (seconds, with
+    # torch loaded): a Ctrl-C or SIGTERM then would end the process with no line and status -2 or -15, or a
+    # traceback from an exit handler. The work is complete, so the exit goes on with the command's status.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

@@ -81,4 +81,21 @@ def quantize_folder(folder: str | os.PathLike, out: str | os.PathLike, scheme: s
             if os.path.isfile(source) and not name.startswith(".") and not weights and name not in _REWRITTEN:
                 shutil.copy2(source, os.path.join(tmp, name))
         model.save_pretrained(tmp)  # model.safetensors, config.json (+ quantization_config), code, generation
+        write_quantized_card(tmp, out, folder, scheme)
     return str(out)
+
+
+def write_quantized_card(tmp: str, out: str | os.PathLike, source: str | os.PathLike, scheme: str) -> None:
+    """README.md for the quantized folder (written in `tmp`, named after `out`): the source's card, as every
+    exported folder carries one, and what the quantization did (the source by its folder name, never a path)."""
+    from ..hub_card.card import build_card
+
+    card = build_card(tmp, os.path.basename(os.path.abspath(out)))
+    card.text = card.text.rstrip() + (
+        "\n\n## Quantization\n\n"
+        f"The linear layers' weights are int8 with a scale per output row ({scheme}: torchao through "
+        f"transformers' `TorchAoConfig`, recorded in config.json's `quantization_config`), made by `deriv quantize` "
+        f"from the float32 folder `{os.path.basename(os.path.abspath(source))}`; the embeddings and norms stay "
+        "float32. Loading needs torchao (`pip install 'deriv-lm[quantize]'`); `deriv check` runs it.\n"
+    )
+    card.save(os.path.join(tmp, "README.md"))

@@ -45,10 +45,34 @@ def atomic_directory(folder: str | os.PathLike, carry_first: bool = False) -> It
         yield tmp
         if os.path.isdir(folder):
             _carry_over(folder, tmp)
+        with_umask(tmp)
         fsync_tree(tmp)
         _swap_in(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # after a swap: the previous version, now under the temporary name
+
+
+def user_umask() -> int:
+    """The process's umask (read by setting it and back: the only way POSIX offers)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def with_umask(folder: str) -> None:
+    """Give `folder` and everything in it the modes a plain `mkdir` and `open` would: 0o777 and 0o666 less the
+    user's umask. subtle: the temporary folder is made by mkdtemp (0o700) and transformers writes safetensors
+    through a temporary file (0o600): swapped in as they are, a folder copied to a shared place or served by a
+    web server would be unreadable to anyone but its owner."""
+    mask = user_umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _carry_over(folder: str, tmp: str) -> None:

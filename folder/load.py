@@ -493,6 +493,41 @@ def upload_list(folder: ModelFolder) -> list[tuple[str, int]]:
     return files
 
 
+# What `deriv push` publishes: the kinds of file a model folder is made of (weights in safetensors, configs, the
+# tokenizer's files, the chat template, the card and its pictures, the run's records) and, for Python, only this
+# package's own code files as installed. Anything else is refused by name: a pickle (whoever loads the repository
+# the old way unpickles it, which can run code), a script, a file of code that is not the package's.
+PUBLISHABLE = ("*.safetensors", "*.json", "*.jinja", "*.md", "*.txt", "*.spm", "*.model", "*.png", "*.jpg", "*.svg")
+PUBLISHABLE += ("metrics.jsonl",)
+
+
+def unpublishable(folder: ModelFolder, files: list[tuple[str, int]]) -> list[str]:
+    """Each file of the upload list that a model folder should not publish, with why (see PUBLISHABLE)."""
+    from fnmatch import fnmatch
+
+    from ..modeling_deriv import __file__ as package_init
+
+    own_code = os.path.dirname(package_init)
+    found = []
+    for rel, _ in files:
+        name = os.path.basename(rel)
+        if rel.endswith(".py"):
+            installed = os.path.join(own_code, name)
+            same = os.path.isfile(installed) and "/" not in rel and _same_bytes(installed, folder.file(rel))
+            if not same:
+                found.append(f"{rel} (Python that is not this package's own {name}: it would run for every user)")
+        elif rel.endswith(PICKLED):
+            found.append(f"{rel} (a pickle: loading it can run code)")
+        elif not any(fnmatch(rel, pattern) for pattern in PUBLISHABLE):
+            found.append(f"{rel} (not a file a model folder holds)")
+    return found
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    with open(a, "rb") as f, open(b, "rb") as g:
+        return f.read() == g.read()
+
+
 def check_safetensors(path: str | os.PathLike) -> None:
     """Raise a ValueError (UsageError) naming a `*.safetensors` file of the folder that is not whole.
 

@@ -8,7 +8,7 @@ message and claims nothing.
 from __future__ import annotations
 
 from ..errors import UsageError
-from ..folder.load import IGNORED, check_safetensors, missing_files, read_folder, upload_list
+from ..folder.load import IGNORED, check_safetensors, missing_files, read_folder, unpublishable, upload_list
 
 
 class PushError(RuntimeError):
@@ -39,7 +39,14 @@ def plan(path: str, repo_id: str) -> tuple[list[tuple[str, int]], list[str]]:
     validate_repo_id(repo_id)
     folder = read_folder(path)
     check_safetensors(path)
-    return upload_list(folder), missing_files(folder)
+    files = upload_list(folder)
+    refused = unpublishable(folder, files)
+    if refused:
+        raise UsageError(
+            f"{path} holds {len(refused)} file{'s' if len(refused) > 1 else ''} a model folder should not publish: "
+            f"{'; '.join(refused)}; move them out of the folder (nothing was sent)"
+        )
+    return files, missing_files(folder)
 
 
 def push(path: str, repo_id: str, private: bool = False, revision: str | None = None, say=print) -> str:

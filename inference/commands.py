@@ -10,6 +10,7 @@ from ..arguments import MAX_BEAMS, integer, model_folder, number, plain_text
 from ..data.corpus import add_corpus_arguments, corpus_from_args
 from ..errors import UsageError
 from ..folder.load import load_folder
+from ..tokenization.bpe import check_chat_template
 from .chat import RESET, Conversation, chat
 from .sampling import add_sampling_arguments, penalty_processors, sampling_options, wanted_new_tokens
 
@@ -177,6 +178,7 @@ def run_chat(ns: argparse.Namespace) -> int:
     model, tokenizer = loaded.model, loaded.tokenizer
     if not tokenizer.chat_template:
         raise UsageError(f"{ns.folder} has no chat template (chat_template.jinja): use `deriv generate` with it")
+    check_chat_template(tokenizer, ns.folder)
     options = sampling_options(ns)
     options["max_new_tokens"] = wanted_new_tokens(options, model)
     if model.generation_config.eos_token_id is None:
@@ -310,6 +312,11 @@ def _eval_translation(ns: argparse.Namespace, record: dict | None) -> int:
     from ..data.parallel import pairs_from_args, split_pairs
     from .evaluate import TEST_SAMPLE, recorded_argument, recorded_source, score, spread_sample
 
+    if not (ns.files or ns.dataset) and not record:
+        raise UsageError(
+            f"{ns.folder} has no run.json saying what it was trained on, so there are no test pairs of its own to "
+            "score: pass --files PAIRS.tsv or --dataset NAME (with --source-lang and --target-lang)"
+        )
     record = record or {}
     for side, fallback in (("source_lang", "en"), ("target_lang", "de")):
         if getattr(ns, side) is None:

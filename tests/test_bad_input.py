@@ -108,6 +108,18 @@ def paths(tmp_path_factory) -> dict[str, str]:
     p["lm_truncated"] = broken("lm_truncated", p["lm"], truncate)
     p["lm_no_weights"] = broken("lm_no_weights", p["lm"], lambda t: (t / "model.safetensors").unlink())
     p["lm_bad_tokenizer"] = broken("lm_bad_tokenizer", p["lm"], lambda t: (t / "tokenizer.json").write_text("[]"))
+    # a chat template that reaches for Python's internals: jinja's sandbox stops it, the commands must say so
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    p["lm_escaping_template"] = broken(
+        "lm_escaping_template", p["lm"], lambda t: (t / "chat_template.jinja").write_text(escape)
+    )
+    chats = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}]}]
+    p["chats"] = write("chats.jsonl", "".join(json.dumps(c) + "\n" for c in chats * 12))
+    p["mt_no_record"] = broken("mt_no_record", p["mt"], lambda t: (t / "run.json").unlink())
+    p["lm_empty_metrics"] = broken("lm_empty_metrics", p["lm"], lambda t: (t / "metrics.jsonl").write_text(""))
+    p["lm_torn_metrics"] = broken(
+        "lm_torn_metrics", p["lm"], lambda t: (t / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n')
+    )
     p["lm_binary_config"] = broken(
         "lm_binary_config", p["lm"], lambda t: (t / "config.json").write_bytes(bytes(range(256)) * 4)
     )
@@ -429,6 +441,12 @@ FOUND_CASES = [
     ["bench", "decoder", "--json", "{emptydir}"],
     ["import", "{gpt2_odd_heads}", "--out", OUT],
     ["import", "{gpt2_no_tokenizer}", "--out", OUT],
+    ["picture", "curves", "{lm_empty_metrics}", "--out", OUT + ".png"],
+    ["picture", "curves", "{lm_torn_metrics}", "--out", OUT + ".png"],
+    ["eval", "{mt_no_record}"],
+    ["chat", "{lm_escaping_template}"],
+    ["train", "sft", "--init-from", "{lm_escaping_template}", "--files", "{chats}", "--output-dir", OUT]
+    + ["--max-steps", "1", "--no-progress", "--cpu"],
 ]
 
 # Text that is not valid Unicode, at every command-line entry point for text: a byte that is not UTF-8 (`$'\xff'`

@@ -194,6 +194,23 @@ transformers.PreTrainedModel.save_pretrained = save_pretrained
 """
 
 
+# The process sends SIGINT to itself as Python exits, after the command has printed its result: the moment a user's
+# late Ctrl-C lands while torch's threads and modules are being freed.
+CTRL_C_AS_IT_EXITS = """
+import atexit, time
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_the_last_line_exits_with_the_commands_status_and_no_stack(gpt2_folder, tmp_path):
+    out = tmp_path / "imported"
+    status, stdout, err = finish(start("import", str(gpt2_folder), "--out", str(out), patch=CTRL_C_AS_IT_EXITS))
+    assert status == 0, f"exit status {status}; stderr: {err[-3000:]}"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert str(out) in stdout and (out / "model.safetensors").is_file()  # its result, said and written
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["import", "quantize"])
 def test_ctrl_c_while_writing_a_folder_leaves_none(command, gpt2_folder, long_lm, tmp_path):

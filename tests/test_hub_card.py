@@ -4,10 +4,12 @@ import json
 import shutil
 
 import pytest
+from conftest import cli_error
 from huggingface_hub import ModelCard
 
 from deriv_lm.cli import main
-from deriv_lm.folder import missing_files, read_folder
+from deriv_lm.folder import missing_files, read_folder, upload_list
+from deriv_lm.folder.load import unpublishable
 from deriv_lm.hub_card import build_card, check_folder
 
 
@@ -225,6 +227,49 @@ def test_dry_run_of_a_folder_missing_a_file_fails_naming_it(mt_folder, tmp_path,
     assert code != 0
     captured = capsys.readouterr()
     assert name in captured.err
+
+
+PLANTED = {
+    "pytorch_model.bin": "a pickle: loading it can run code",
+    "optimizer.pt": "a pickle: loading it can run code",
+    "adapter/adapter_model.bin": "a pickle: loading it can run code",
+    "run.sh": "not a file a model folder holds",
+    "helpers.py": "Python that is not this package's own helpers.py",
+    "modeling_deriv.py": "Python that is not this package's own modeling_deriv.py",
+}
+
+
+@pytest.mark.parametrize("planted", PLANTED)
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry run", "upload"])
+def test_push_refuses_a_file_a_model_folder_should_not_publish(
+    lm_folder, tmp_path, capsys, monkeypatch, planted, dry_run
+):
+    """A planted pickle, a script, code beside or in place of the package's own: named and refused, in the dry run
+    and in a real push alike, before any token is read or anything is sent."""
+    import huggingface_hub
+
+    folder = tmp_path / "lm"
+    shutil.copytree(lm_folder, folder)
+    target = folder / planted
+    target.parent.mkdir(exist_ok=True)
+    if planted == "modeling_deriv.py":  # the package's file, with one line more
+        target.write_text(target.read_text() + "\nimport os  # planted\n")
+    else:
+        target.write_bytes(b"planted")
+
+    def no_upload(*args, **kwargs):
+        raise AssertionError("the push went ahead")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", no_upload)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    line = cli_error(["push", str(folder), "--repo-id", "someone/x", *(["--dry-run"] if dry_run else [])], capsys)
+    assert f"{planted} ({PLANTED[planted]}" in line and "should not publish" in line, line
+
+
+def test_the_folders_the_commands_write_are_publishable(lm_folder, mt_folder):
+    for folder in (lm_folder, mt_folder):
+        read = read_folder(folder)
+        assert unpublishable(read, upload_list(read)) == []
 
 
 def test_a_folder_without_auto_map_is_incomplete(lm_folder, tmp_path):

@@ -29,9 +29,39 @@ PROMPTS = torch.tensor([[1, 24, 226, 21, 226], [1, 27, 267, 74, 272]])
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("quantize") / "lm"
+    """The numbers model with a run record of its own: a 2-step run of its shape, whose run.json it takes (the
+    card of the quantized folder is built from it, as `deriv card` would)."""
+    from deriv_lm.training import TrainingArguments, train_lm
+
+    root = tmp_path_factory.mktemp("quantize")
+    corpus = root / "numbers.txt"
+    corpus.write_text("\n\n".join(f"{n} {n + 1} {n + 2} :" for n in range(200)))
+    config = json.loads(open(os.path.join(DATA, "numbers_lm", "config.json")).read())
+    run = TrainingArguments(
+        output_dir=str(root / "run"),
+        files=[str(corpus)],
+        cache_dir=str(root / "cache"),
+        tokenizer=os.path.join(DATA, "numbers_lm"),
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config["max_position_embeddings"],
+        hidden_size=config["hidden_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        batch_size=4,
+        max_steps=2,
+        warmup_steps=1,
+        eval_every=2,
+        eval_batches=1,
+        save_every=2,
+        samples=0,
+        progress=False,
+        num_proc=1,
+    )
+    train_lm(run, cpu=True)
+    folder = root / "lm"
     shutil.copytree(os.path.join(DATA, "numbers_lm"), folder)
-    (folder / "run.json").write_text(json.dumps({"schema": 1, "output_dir": "lm", "metrics": {"perplexity": 9.9}}))
+    shutil.copy(root / "run" / "run.json", folder / "run.json")
     (folder / "README.md").write_text("---\nlibrary_name: transformers\n---\nThe float model's card.\n")
     return folder
 
@@ -73,7 +103,10 @@ def test_the_folder_is_complete_and_records_its_quantization(source, quantized):
         }
 
     assert generation(quantized) == generation(source)
-    assert not (quantized / "README.md").exists()  # the card described the float weights
+    # a card of its own, as every exported folder has: not the float model's, and it says what was quantized
+    card = (quantized / "README.md").read_text()
+    assert "The float model's card." not in card and "## Quantization" in card and "int8" in card
+    assert f"from the float32 folder `{source.name}`" in card
     config = json.loads((quantized / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "torchao"
     assert config["quantization_config"]["quant_type"]["default"]["_type"] == "Int8WeightOnlyConfig"

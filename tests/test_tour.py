@@ -67,7 +67,8 @@ INSTEAD: dict[str, tuple[str, str]] = {
     "make setup": ("skip", "installs .venv; the suite runs in it"),
     'pip install -e ".[viz,serve,lora,quantize,marian]"': ("skip", "an installer; the suite's .venv has the extras"),
     'pip install -e ".[serve]"': ("skip", "an installer; the suite's .venv has the serve extra"),
-    "accelerate launch --config_file training/accelerate_configs/cpu_fsdp.yaml -m deriv_lm.cli train lm --cpu": (
+    "accelerate launch --config_file training/accelerate_configs/cpu_fsdp.yaml -m deriv_lm.cli train lm --cpu"
+    " --output-dir runs/fsdp": (
         "skip",
         "two processes for minutes; tests/test_distributed.py runs this config (test_fsdp_*)",
     ),

@@ -378,10 +378,47 @@ def test_shipped_accelerate_configs_load(name):
     assert config.num_processes >= 2 and config.distributed_type
 
 
-def test_a_fresh_run_in_a_used_folder_starts_clean(tmp_path, corpus_file):
+def test_a_second_run_into_a_trained_folder_is_refused_and_the_first_is_untouched(trained_run, tmp_path, capsys):
+    """Without --resume or --overwrite, `deriv train lm` into a folder that holds a run stops in one line before
+    any work, naming both flags: its checkpoints, metrics and weights are the first run's, byte for byte."""
+    import shutil
+
+    from conftest import cli_error
+
+    folder = tmp_path / "run"
+    shutil.copytree(trained_run.output_dir, folder)
+    args = TrainingArguments(**{**trained_run.to_dict(), "output_dir": str(folder)})
+    before = files_of(str(folder))
+    line = cli_error(cli_flags(args), capsys)
+    assert str(folder) in line and "--resume" in line and "--overwrite" in line, line
+    assert "checkpoints" in line and "metrics.jsonl" in line and "model.safetensors" in line
+    assert files_of(str(folder)) == before
+
+
+def test_the_last_line_of_a_resumed_run_adds_up(tmp_path, corpus_file, capsys):
+    """After a resume the steps, tokens and training seconds are the whole run's, and this process's wall time is
+    said as such (it once put the resumed part's seconds beside the whole run's steps)."""
+    args = tiny_args(tmp_path, corpus_file, max_steps=4, save_every=4, eval_every=4)
+    train_lm(args, cpu=True)
+    capsys.readouterr()
+    train_lm(TrainingArguments(**{**args.to_dict(), "max_steps": 8, "resume": True}), cpu=True)
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]
+    record = json.load(open(os.path.join(args.output_dir, "run.json")))["training"]
+    assert len(done) == 1 and done[0].startswith("done: 8 steps, ")
+    assert f" in {record['train_seconds']:.0f} s of training; this process " in done[0], done[0]
+    assert " s from step 4; " in done[0], done[0]
+
+
+def test_resume_and_overwrite_together_are_refused(capsys):
+    from conftest import cli_error
+
+    assert "pass one" in cli_error(["train", "lm", "--resume", "--overwrite"], capsys)
+
+
+def test_a_fresh_run_in_a_used_folder_starts_clean_with_overwrite(tmp_path, corpus_file):
     args = tiny_args(tmp_path, corpus_file, max_steps=8, save_every=4, eval_every=1000)
     train_lm(args, cpu=True)
-    again = TrainingArguments(**{**args.to_dict(), "max_steps": 4})
+    again = TrainingArguments(**{**args.to_dict(), "max_steps": 4, "overwrite": True})
     train_lm(again, cpu=True)
     assert os.listdir(args.checkpoint_dir) == ["step-0000004"]  # not step-8 of the earlier run
     steps = [json.loads(line)["step"] for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]

@@ -133,11 +133,16 @@ class RunArguments:
         "last", "the weights exported: the last step's, or the evaluation's with the lowest validation loss"
     )
     resume: bool = arg(False, "continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints")
+    overwrite: bool = arg(
+        False, "start afresh in an OUTPUT_DIR that holds a run: its checkpoints, metrics and model are replaced"
+    )
     samples: int = arg(3, "texts generated (or translated) at the end")
     progress: bool = arg(True, "progress bars while the data is prepared and the model trains (--no-progress: none)")
 
     def __post_init__(self) -> None:
         _positive(self, "log_every", "eval_every", "save_every", "keep_checkpoints")
+        if self.resume and self.overwrite:
+            raise UsageError("--resume continues the run in --output-dir and --overwrite replaces it: pass one")
         check_range("samples", self.samples, minimum=0, integral=True)
         check_range("early_stopping_patience", self.early_stopping_patience or 0, minimum=0, integral=True)
         check_range("early_stopping_threshold", self.early_stopping_threshold, minimum=0)

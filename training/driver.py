@@ -34,6 +34,7 @@ from .trainer import Trainer
 def run(args, task, cpu: bool = False, callbacks=None) -> str:
     """Train `task` as `args` say; returns the exported folder."""
     started = time.perf_counter()
+    check_output_dir(args)
     # a folder that cannot start the run stops it here, before the run lock makes its folder
     initial = task.open_init_from() if args.init_from else None
     trainer = Trainer(args, cpu=cpu, callbacks=callbacks)  # callbacks: after the built-in ones (callbacks.py)
@@ -70,6 +71,25 @@ def run(args, task, cpu: bool = False, callbacks=None) -> str:
         finish(trainer, task, tokenizer, source, data, state_dict, time.perf_counter() - started)
     accelerator.wait_for_everyone()
     return args.output_dir
+
+
+# What a folder holds once a run has been in it: its checkpoints, its log, its exported model and record.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "model.safetensors", "run.json")
+
+
+def check_output_dir(args) -> None:
+    """A folder that holds a run is continued (--resume) or replaced (--overwrite), never replaced unasked: a
+    second `deriv train` into it would delete its checkpoints and empty its metrics at step 0."""
+    folder = args.output_dir
+    if args.resume or args.overwrite or not os.path.isdir(folder):
+        return
+    held = [name for name in RUN_FILES if os.path.exists(os.path.join(folder, name))]
+    held = [name for name in held if name != "checkpoints" or os.listdir(os.path.join(folder, name))]
+    if held:
+        raise UsageError(
+            f"{folder} holds a run ({', '.join(held)}): continue it with --resume, start afresh over it with "
+            "--overwrite, or give another --output-dir"
+        )
 
 
 def _datasets_bars(on: bool) -> None:
@@ -145,7 +165,9 @@ def finish(trainer, task, tokenizer, source, data, state_dict, seconds: float) -
     for line in outcome.samples:
         accelerator.print(line)
     summary = f"validation perplexity {metrics['val_perplexity']:.2f}" + outcome.summary
+    # the steps, tokens and training seconds are the whole run's, across resumes; this process's wall time beside
+    this = f"; this process {seconds:.0f} s from step {trainer.resumed_at}" if trainer.resumed_at is not None else ""
     accelerator.print(
         f"done: {state.step} steps, {state.tokens_seen / 1e6:.2f} M {data.token_kind} in "
-        f"{record['training']['wall_seconds']:.0f} s; {summary}\nmodel folder: {os.path.abspath(args.output_dir)}"
+        f"{state.train_seconds:.0f} s of training{this}; {summary}\nmodel folder: {os.path.abspath(args.output_dir)}"
     )

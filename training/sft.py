@@ -28,7 +28,7 @@ from ..data.conversations import default_conversations, hub_conversations, local
 from ..data.packing import LengthGroupedSampler
 from ..errors import MissingExtra, UsageError, require_extra
 from ..modeling_deriv import DerivForCausalLM
-from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
+from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks, check_chat_template
 from .driver import run
 from .lm import LanguageModelTask, fit_context_to_base
 from .task import Outcome, Source, Task, TaskData
@@ -43,7 +43,7 @@ def conversations_from_args(args):
     return default_conversations()
 
 
-def prepare_chat_tokenizer(tokenizer) -> list[str]:
+def prepare_chat_tokenizer(tokenizer, where: str = "the tokenizer") -> list[str]:
     """Make `tokenizer` able to give the assistant-token mask; returns the special tokens it had to add.
 
     A Deriv folder's template is upgraded to the one with `{% generation %}` marks (the same text). A tokenizer
@@ -60,6 +60,7 @@ def prepare_chat_tokenizer(tokenizer) -> list[str]:
             "The tokenizer's chat template does not mark the assistant's messages ({% generation %} ... "
             "{% endgeneration %}), so the loss cannot be limited to them; add the marks to chat_template.jinja."
         )
+    check_chat_template(tokenizer, where)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return added
@@ -175,7 +176,7 @@ class ChatTask(Task):
         """The conversations encoded with the chat template (the tokenizer gains its marks, and role tokens
         where it had no template: `from_folder` grows the model's embeddings to match)."""
         a, splits, context = self.args, source.splits, self.args.max_position_embeddings
-        prepare_chat_tokenizer(tokenizer)
+        prepare_chat_tokenizer(tokenizer, a.init_from or "the tokenizer")
         train, too_long_train = encode_conversations(splits["train"], tokenizer, context)
         validation, too_long_val = encode_conversations(splits["validation"], tokenizer, context)
         too_long = too_long_train + too_long_val

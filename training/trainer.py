@@ -61,6 +61,7 @@ class Trainer:
         self.args = args
         self.callbacks = default_callbacks() + list(callbacks or [])
         self.control = TrainerControl()
+        self.resumed_at: int | None = None  # the step a --resume continued from
         if args.compile:
             check_compiler()
         self.accelerator = Accelerator(
@@ -138,6 +139,7 @@ class Trainer:
         usable = self.checkpoints.newest_usable() if args.resume else None
         if usable:
             self.checkpoints.load(usable, self.state, self.scheduler)
+            self.resumed_at = self.state.step
             accelerator.print(f"resumed from {usable} at step {self.state.step}")
         elif args.resume:
             accelerator.print(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 0")

@@ -126,7 +126,16 @@ def curves(folder: str, path: str) -> str:
     if not os.path.isfile(metrics):
         raise MissingFile(f"{folder} has no metrics.jsonl: it was not written by `deriv train`")
     with open(metrics, encoding="utf-8") as f:
-        history = [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    history = []
+    for number, line in enumerate(lines, 1):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number < len(lines):  # a torn last line is a run killed mid-write, which resume drops too
+                raise UsageError(f"{metrics}, line {number}: not a JSON record ({error.msg})") from None
+    if not any("train_loss" in r or "val_loss" in r for r in history):
+        raise UsageError(f"{metrics} holds no loss: the run logged nothing to draw (it stopped before its first log)")
     if not plot_losses(history, path):
         pyplot()  # matplotlib is missing: the error that says how to install it
     return path
