@@ -99,8 +99,16 @@ COMMANDS = (
         "viz.commands:add_explore_arguments",
     ),
     Command("tokenizer", "train, show and measure byte-level BPE tokenizers", "tokenization.commands:add_arguments"),
-    Command("import", "import a GPT-2 checkpoint as a Deriv folder", "convert.commands:add_import_arguments"),
-    Command("export", "export a GPT-2-shaped Deriv folder as GPT-2", "convert.commands:add_export_arguments"),
+    Command(
+        "import",
+        "import a GPT-2, Llama or Marian (OPUS-MT) checkpoint as a Deriv folder",
+        "convert.commands:add_import_arguments",
+    ),
+    Command(
+        "export",
+        "export a Deriv folder as GPT-2, Llama or Marian, or for ONNX Runtime, CTranslate2 or llama.cpp (GGUF)",
+        "convert.commands:add_export_arguments",
+    ),
     Command("quantize", "write a folder with int8 linear weights (CPU)", "convert.commands:add_quantize_arguments"),
     Command(
         "bench",

@@ -41,6 +41,20 @@ def test_help_lists_the_commands_without_importing_torch_or_transformers():
     assert "bench-" not in result.stdout
 
 
+def test_the_help_says_what_import_and_export_read_and_write():
+    helps = {command.name: command.help for command in COMMANDS}
+    assert all(name in helps["import"] for name in ("GPT-2", "Llama", "Marian"))
+    assert all(name in helps["export"] for name in ("GPT-2", "Llama", "Marian", "ONNX", "CTranslate2", "GGUF"))
+
+
+def test_train_help_spells_each_flag_with_dashes_first(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "lm", "--help"])
+    out = capsys.readouterr().out
+    assert "[--output-dir OUTPUT_DIR]" in out and "--output-dir OUTPUT_DIR, --output_dir OUTPUT_DIR" in out
+    assert "--output_dir OUTPUT_DIR, --output-dir" not in out
+
+
 @pytest.mark.parametrize("argv", [[], ["bogus"], ["--debug"]])
 def test_a_missing_or_unknown_command_is_one_line_without_the_package(argv):
     result = launch(*argv)

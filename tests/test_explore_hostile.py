@@ -2,7 +2,7 @@
 
 One `deriv explore` (its parser, loader and app in a thread of this process, on tests/data/numbers_lm, 127.0.0.1,
 a free port) answers every row of the table (docs/explore.md has the same table): the status the row names, in
-the error shape `{"error": {"message", "field"}}` with the field the row names, the security headers on the reply,
+the error shape `{"error": {"message", "param"}}` with the field the row names, the security headers on the reply,
 and after it the server still answers /health and a good /api/analyze. A request that makes compute raise an
 unexpected error is tried in this process (compute patched to fail once), where the reply must be a 500 that says
 nothing of the error and the next request must be served. What only a process shows (the line that says where it
@@ -247,8 +247,8 @@ def test_a_hostile_request_is_refused_in_one_message_and_the_server_goes_on(
         headers["Content-Type"] = CONTENT_TYPES[name]
     got, payload, reply_headers, raw = send(server.port, method, path, body, headers)
     assert got == status, payload
-    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "field"}, payload
-    assert payload["error"]["field"] == field, payload
+    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "param"}, payload
+    assert payload["error"]["param"] == field, payload
     assert message in payload["error"]["message"], payload
     assert b"import " not in raw  # no file of the package (nothing outside static/ is ever read)
     check_headers(reply_headers, path)
@@ -329,7 +329,7 @@ def test_a_translation_folder_is_explored_and_its_target_checked(tmp_path):
         status, payload, _, _ = send(server.port, "POST", "/api/attention", body)
         assert status == 200 and payload["weights"]["shape"] == [source, source]
         status, payload, _, _ = send(server.port, "POST", "/api/attention", {**body, "kind": "self"})
-        assert (status, payload["error"]["field"]) == (400, "kind") and "'cross', 'encoder'" in payload["error"][
+        assert (status, payload["error"]["param"]) == (400, "kind") and "'cross', 'encoder'" in payload["error"][
             "message"
         ]
         for body, field, message in [
@@ -338,7 +338,7 @@ def test_a_translation_folder_is_explored_and_its_target_checked(tmp_path):
             ({"text": "5 3 1", "target": "five " * 10}, "target", "its context"),
         ]:
             status, payload, _, _ = send(server.port, "POST", "/api/next", body)
-            assert (status, payload["error"]["field"]) == (400, field) and message in payload["error"]["message"]
+            assert (status, payload["error"]["param"]) == (400, field) and message in payload["error"]["message"]
         status, _, _, _ = send(server.port, "POST", "/api/generate", {"text": "5 3 1", "steps": 2})
         assert status == 200
     finally:
@@ -382,7 +382,7 @@ def in_process(monkeypatch):
 def test_an_unexpected_error_is_a_500_that_tells_nothing_and_the_server_goes_on(in_process, caplog):
     status, payload, headers, _ = send(in_process, "POST", "/api/analyze", GOOD)
     assert status == 500
-    assert payload["error"]["field"] is None and "internal error" in payload["error"]["message"]
+    assert payload["error"]["param"] is None and "internal error" in payload["error"]["message"]
     assert "secret" not in json.dumps(payload)
     check_headers(headers, "/api/analyze")
     assert any(r.exc_info and "secret detail" in str(r.exc_info[1]) for r in caplog.records)  # logged for the owner

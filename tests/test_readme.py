@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (in order, in one namespace, in a scratch folder)."""
+"""The README's Python examples run as written, each alone (a reader may copy any one of them), in order, in a
+scratch folder."""
 
 import re
 from pathlib import Path
@@ -9,8 +10,7 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     assert len(blocks) >= 2
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, "README.md", "exec"), {})  # a namespace of its own: no block leans on another
     assert (tmp_path / "tiny-deriv" / "model.safetensors").exists()
     assert (tmp_path / "tiny-deriv-mt" / "model.safetensors").exists()

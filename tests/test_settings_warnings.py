@@ -77,7 +77,7 @@ def test_the_trainer_prints_each_note_once_as_it_starts(tmp_path, capsys):
 
 def test_no_progress_help_says_what_the_flag_does():
     help_text = " ".join(build_parser(TrainingArguments).format_help().split())
-    assert "--no_progress, --no-progress progress bars while the data is prepared and the model trains" in help_text
+    assert "--no-progress, --no_progress progress bars while the data is prepared and the model trains" in help_text
     assert "show progress bars" not in help_text
 
 

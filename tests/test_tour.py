@@ -65,6 +65,7 @@ INSTEAD: dict[str, tuple[str, str]] = {
     "make train": ("skip", "runs `deriv train lm`, the tour's first line, run here with small settings"),
     "make test": ("skip", "runs this suite"),
     "make setup": ("skip", "installs .venv; the suite runs in it"),
+    "make setup && . .venv/bin/activate": ("skip", "installs and activates .venv; the suite runs in it"),
     'pip install -e ".[viz,serve,lora,quantize,marian]"': ("skip", "an installer; the suite's .venv has the extras"),
     'pip install -e ".[serve]"': ("skip", "an installer; the suite's .venv has the serve extra"),
     "accelerate launch --config_file training/accelerate_configs/cpu_fsdp.yaml -m deriv_lm.cli train lm --cpu"

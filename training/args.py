@@ -745,6 +745,8 @@ def add_file_flags(parser, kind: type[Settings]) -> None:
     parser.add_argument("--config", help="a YAML or JSON file of training arguments (flags override it)")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
     parser.set_defaults(**PRESETS_OF[kind][DEFAULT_PRESET])
+    for action in parser._actions:  # `--output-dir` first in --help and usage; `--output_dir` still works
+        action.option_strings.sort(key=lambda spelling: "_" in spelling)
 
 
 def layered_defaults(kind: type[Settings], preset: str | None, config: str | None) -> dict:

@@ -102,8 +102,9 @@ def read_metrics(path: str) -> list[dict]:
 class Checkpoints:
     """The checkpoints of one run folder, for one accelerator (every process calls save and load)."""
 
-    def __init__(self, accelerator, folder: str, keep: int):
+    def __init__(self, accelerator, folder: str, keep: int, settings: str = "these settings"):
         self.accelerator, self.folder, self.keep = accelerator, folder, keep
+        self.settings = settings  # what built the model, for a refusal: "--preset small"
 
     def found(self) -> list[str]:
         if not os.path.isdir(self.folder):
@@ -196,9 +197,12 @@ class Checkpoints:
                 f"(torch's weights_only loader refused it: {' '.join(str(error).split())[:300]})"
             ) from error
         except (RuntimeError, ValueError, KeyError) as error:
+            cause = " ".join(str(error).split())
+            cause = cause if len(cause) <= 300 else cause[:300] + " ..."
             raise UsageError(
-                f"Cannot resume from {path}: it does not match this model or optimizer ({error}). Resume with "
-                "the arguments the run was started with, or start afresh in another --output-dir."
+                f"Cannot resume from {path}: it does not match the model or optimizer {self.settings} build "
+                f"({cause}). Resume with the preset and arguments the run was started with, or start afresh with "
+                "--overwrite or another --output-dir."
             ) from error
 
 

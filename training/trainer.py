@@ -83,7 +83,8 @@ class Trainer:
         self.bars = args.progress and self.accelerator.is_main_process and sys.stderr.isatty()
         set_seed(args.seed)
         self.state = TrainerState()
-        self.checkpoints = Checkpoints(self.accelerator, args.checkpoint_dir, args.keep_checkpoints)
+        settings = f"--preset {args.preset} and these flags" if getattr(args, "preset", None) else "these settings"
+        self.checkpoints = Checkpoints(self.accelerator, args.checkpoint_dir, args.keep_checkpoints, settings)
         self.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
         STOP.phase = "while preparing the data"
 

@@ -13,8 +13,9 @@ A request goes through, in order: the Host header (400 unless it names this serv
 (413 before anything is parsed), JSON, the body's schema (400 naming the field: unknown fields too, so nothing like
 {"folder": ...} is ever read), then compute, whose UsageError is a 400 naming the field. Any other error in
 compute is a 500 with a generic message (its traceback goes to the log) and the next request is served as usual.
-Every error is `{"error": {"message", "field"}}`; every reply carries the CSP and nosniff headers. The model runs
-in a worker thread, one request at a time under the Explorer's lock.
+Every error is `{"error": {"message", "param"}}` (`param`: the field at fault, as in deriv serve's errors); every
+reply carries the CSP and nosniff headers. The model runs in a worker thread, one request at a time under the
+Explorer's lock.
 """
 
 from __future__ import annotations
@@ -180,8 +181,9 @@ def _first_error(error: ValidationError, schema: type[BaseModel]) -> RequestErro
 # ---- the app -----------------------------------------------------------------------------------------------------
 
 
-def error_body(message: str, field: str | None = None) -> dict:
-    return {"error": {"message": message, "field": field}}
+def error_body(message: str, param: str | None = None) -> dict:
+    """The explorer's error: the message, and in `param` the field at fault, as deriv serve's errors name it."""
+    return {"error": {"message": message, "param": param}}
 
 
 def build_app(ex, host: str, port: int, max_body_bytes: int):
