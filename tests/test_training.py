@@ -77,6 +77,19 @@ def test_exported_folder_is_complete_and_loads(trained_run):
     assert model.generation_config.do_sample and model.generation_config.eos_token_id == tokenizer.eos_token_id
 
 
+def test_the_exported_folder_has_the_modes_the_umask_gives(trained_run):
+    """As a plain mkdir and open would make them (mkdtemp's 0o700 and a 0o600 safetensors file once made a folder
+    copied to a shared place or a web server unreadable to others)."""
+    import stat
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    folder = trained_run.output_dir
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o777 & ~mask
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "run.json"):
+        assert stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) == 0o666 & ~mask, name
+
+
 def test_run_record_and_metrics(trained_run):
     folder = trained_run.output_dir
     record = json.loads(open(os.path.join(folder, "run.json")).read())
