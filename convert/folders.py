@@ -142,6 +142,17 @@ def _deriv_tied(config) -> set[str]:
     return _DERIV_TIED - set(marian.embedding_names(config))
 
 
+def vocabulary_rows(model: DerivForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's state dict with the embedding and the output projection cut to one row per id (`vocab_size`): the
+    padding rows of a padded vocabulary (`pad_vocab_size_to_multiple_of`) are no token, and a native model, a
+    runtime's file, has a row per token of its tokenizer."""
+    state, vocab_size = model.state_dict(), model.config.vocab_size
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in state:
+            state[name] = state[name][:vocab_size]
+    return state
+
+
 def gpt2_twin(native) -> DerivForCausalLM:
     """The `DerivForCausalLM` holding a `GPT2LMHeadModel`'s weights: the same function, Deriv's code."""
     config = gpt2.deriv_config(native.config)
@@ -183,7 +194,7 @@ def native_gpt2(folder: str | os.PathLike):
     model = load_weights(DerivForCausalLM, folder)
     config = gpt2.gpt2_config(model.config)  # says which switches differ, where there is no twin
     native = GPT2LMHeadModel(config)
-    _load_exact(native, gpt2.to_gpt2(model.state_dict(), config.n_layer), set())
+    _load_exact(native, gpt2.to_gpt2(vocabulary_rows(model), config.n_layer), set())
     return native.eval()
 
 
@@ -236,7 +247,7 @@ def native_llama(folder: str | os.PathLike):
     config = llama.llama_config(model.config)  # says which switches differ, where there is no twin
     native = LlamaForCausalLM(config)
     tied = config.tie_word_embeddings
-    _load_exact(native, llama.to_llama(model.state_dict(), tied), {"lm_head.weight"} if tied else set())
+    _load_exact(native, llama.to_llama(vocabulary_rows(model), tied), {"lm_head.weight"} if tied else set())
     return native.eval()
 
 

@@ -34,7 +34,7 @@ from ..errors import MissingFile, UsageError
 from ..folder.load import load_weights
 from ..modeling_deriv import DerivForCausalLM
 from . import llama
-from .folders import model_type
+from .folders import model_type, vocabulary_rows
 
 
 OUTTYPES = ("f32", "f16", "q8_0")
@@ -188,7 +188,7 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str 
         raise UsageError(f"--out {out} already exists; choose a new file name.")
     model, config = llama_shaped(folder)
     tied = config.tie_word_embeddings
-    state = {k: v.float().numpy() for k, v in llama.to_llama(model.state_dict(), tied).items()}
+    state = {k: v.float().numpy() for k, v in llama.to_llama(vocabulary_rows(model), tied).items()}
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     partial = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial-{os.getpid()}")
     try:

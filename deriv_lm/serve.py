@@ -106,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, ... (default: auto)")
     parser.add_argument(
+        "--decode-loop",
+        choices=("compiled", "eager"),
+        default=None,
+        help="decode each request in Deriv's loop, the whole step compiled into one graph (compiled at start; no "
+        "frequency_penalty; not with --continuous-batching)",
+    )
+    parser.add_argument(
         "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto: the weights' own"
     )
     parser.add_argument(
@@ -148,6 +155,11 @@ def check_flags(ns: argparse.Namespace) -> None:
         for flag, value in (("--cb-num-blocks", ns.cb_num_blocks), ("--cb-max-batch-tokens", ns.cb_max_batch_tokens))
         if value is not None
     ]
+    if ns.decode_loop and ns.continuous_batching:
+        raise UsageError(
+            "--decode-loop and --continuous-batching are two ways to decode: the loop runs one request at a time, "
+            "batching many; pick one"
+        )
     if sized and not ns.continuous_batching:
         raise UsageError(
             f"{' and '.join(sized)} size the paged cache of --continuous-batching, which is off: add "
@@ -238,6 +250,8 @@ def load(ns: argparse.Namespace, device: str):
         )
         engine = BatchingEngine(model, generation, ContinuousBatchingConfig(**sizes))
     else:
+        if ns.decode_loop:
+            warm_decode_loop(model, generation, ns.decode_loop, folder)
         engine = GenerateEngine(model, generation)
     name = ns.served_model_name or os.path.basename(os.path.normpath(folder))
     return Served(
@@ -253,6 +267,23 @@ def load(ns: argparse.Namespace, device: str):
         allowed_hosts=tuple(ns.allow_host),
         body_seconds=ns.read_timeout,
     )
+
+
+def warm_decode_loop(model, generation, loop: str, folder: str) -> None:
+    """Switch the folder's generation config to the decode loop and run it once, greedily, before the server
+    listens: the compile happens now, not in the first request, and a setting of the folder's the loop cannot run
+    is one line now, not a failed request later."""
+    import torch
+
+    from .modeling_deriv.decode_loop import DecodeLoopUnsupported
+
+    generation.decode_loop = loop
+    prompt = torch.tensor([[model.generation_config.bos_token_id or 0]], device=model.device)
+    try:
+        with torch.no_grad():
+            model.generate(prompt, generation_config=generation, max_new_tokens=2, do_sample=False)
+    except DecodeLoopUnsupported as error:
+        raise UsageError(f"--decode-loop cannot serve {folder} with its generation_config.json: {error}") from None
 
 
 def serve(served, sock, log_level: str = "warning") -> None:

@@ -11,6 +11,7 @@ import sys
 from typing import TextIO
 
 from ..arguments import invalid_text
+from .sampling import loop_refusals
 
 
 RESET = "/reset"
@@ -80,7 +81,7 @@ def answer(model, tokenizer, ids: list[int], options: dict, processors) -> str:
 
     input_ids = torch.tensor([ids])
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    with torch.no_grad():
+    with torch.no_grad(), loop_refusals():
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),

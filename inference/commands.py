@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ..folder.load import load_folder
 from ..tokenization.bpe import check_chat_template
 from .chat import RESET, Conversation, chat
-from .sampling import add_sampling_arguments, penalty_processors, sampling_options, wanted_new_tokens
+from .sampling import add_sampling_arguments, loop_refusals, penalty_processors, sampling_options, wanted_new_tokens
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -158,7 +158,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     streaming = not ns.no_stream and options.get("num_beams", 1) == 1
     streamer = TextStreamer(tokenizer, skip_special_tokens=True) if streaming else None
     input_ids = torch.tensor([ids])
-    with torch.no_grad():
+    with torch.no_grad(), loop_refusals():
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),

@@ -6,8 +6,11 @@ One definition, so the two commands accept the same values, refuse the same mist
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 from ..arguments import MAX_SEED, PENALTY_LIMIT, integer, number
+from ..errors import UsageError
 
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty")
@@ -26,6 +29,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frequency-penalty", type=penalty, default=0.0)
     parser.add_argument("--greedy", action="store_true", help="no sampling: the most likely token each step")
     parser.add_argument("--seed", type=integer(minimum=0, maximum=MAX_SEED), default=0)
+    parser.add_argument(
+        "--decode-loop",
+        choices=("compiled", "eager"),
+        default=None,
+        help="decode in Deriv's loop, the whole step compiled into one graph (greedy or sampling; see docs/model.md)",
+    )
 
 
 def sampling_options(ns: argparse.Namespace) -> dict:
@@ -34,7 +43,19 @@ def sampling_options(ns: argparse.Namespace) -> dict:
     if ns.greedy or options.get("temperature") == 0:
         options.pop("temperature", None)  # temperature 0 is the limit of sampling: the most likely token
         options["do_sample"] = False
+    if getattr(ns, "decode_loop", None):
+        check_decode_loop(ns, options)
+        options["decode_loop"] = ns.decode_loop
     return options
+
+
+def check_decode_loop(ns: argparse.Namespace, options: dict) -> None:
+    """--decode-loop runs greedy search and sampling, with every flag here but the frequency penalty: refuse the
+    rest up front, by flag (the loop itself refuses what a folder's generation config asks for)."""
+    if options.get("num_beams", 1) > 1:
+        raise UsageError(f"--decode-loop decodes greedily or by sampling, not with --num-beams {options['num_beams']}")
+    if ns.frequency_penalty:
+        raise UsageError("--decode-loop does not support --frequency-penalty (it counts repeats); drop one of them")
 
 
 def wanted_new_tokens(options: dict, model) -> int:
@@ -55,3 +76,15 @@ def penalty_processors(ns: argparse.Namespace):
     if ns.frequency_penalty:
         processors.append(FrequencyPenaltyLogitsProcessor(ns.frequency_penalty))
     return processors
+
+
+@contextlib.contextmanager
+def loop_refusals() -> Iterator[None]:
+    """The decode loop's refusal of something a folder's generation config asks for (beams, a processor), as one line
+    naming it instead of a traceback."""
+    from ..modeling_deriv.decode_loop import DecodeLoopUnsupported
+
+    try:
+        yield
+    except DecodeLoopUnsupported as error:
+        raise UsageError(f"--decode-loop: {error}") from None

@@ -63,7 +63,12 @@ class DerivConfig(PreTrainedConfig):
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the KV cache, named either side of transformers 5.24
     attribute_map = {"n_positions": "max_position_embeddings", "d_model": "hidden_size"}
 
-    vocab_size: int = 8192
+    vocab_size: int = 8192  # the ids that exist: the tokenizer's, what inputs, logits, the loss and generate() see
+    # The embedding table and the output projection get `vocab_size` rounded up to a multiple of this many rows
+    # (nanoGPT's 50 257 -> 50 304): the output projection's matrix multiply, the largest of a small model, runs
+    # on GPU tiles that fit. The extra rows are no token: forward() returns logits for the first `vocab_size`
+    # columns only, and the loss never scores the others. 1: no padding (every folder written before it).
+    pad_vocab_size_to_multiple_of: int = 1
     hidden_size: int = 512  # d_model
     num_hidden_layers: int = 6  # N
     num_attention_heads: int = 8  # h; each head has d_k = d_v = hidden_size / h
@@ -105,11 +110,19 @@ class DerivConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         super().__post_init__(**kwargs)
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table and of the output projection: `vocab_size` rounded up to a multiple of
+        `pad_vocab_size_to_multiple_of`."""
+        multiple = self.pad_vocab_size_to_multiple_of
+        return -(-self.vocab_size // multiple) * multiple
+
     def validate_architecture(self):
         """Reject impossible shapes at construction, naming the field (run by `@strict`)."""
         _check_positive(
             self,
             "vocab_size",
+            "pad_vocab_size_to_multiple_of",
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",

@@ -25,16 +25,19 @@ Where the code departs from the 2017 paper, on purpose:
   guess, ln V, instead of betting that each token repeats itself (`DerivPreTrainedModel._init_weights`).
 """
 
+import contextlib
+import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 from safetensors import SafetensorError
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -46,6 +49,9 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_deriv import DerivConfig
+from .decode_loop import check_loop_name
+from .decode_loop import decode_loop as run_decode_loop
+from .linear_cross_entropy import linear_cross_entropy
 
 
 # subtle: transformers 5.24 renamed the KV cache, as the forward argument and as the output field, from
@@ -512,12 +518,63 @@ def check_inputs(
         raise ValueError(f"Token id {bad} is outside the vocabulary: ids must lie in [0, {vocab_size}).")
 
 
+# True while the inputs of every forward have been checked upstream, on the host: inside generate() (the prompt
+# is checked once; the ids of every later step are the model's own choices, an argmax or a sample over the
+# vocabulary's columns) and in a training step whose batches the data pipeline checked. A context variable, so
+# that each thread (a server's workers) and each async task sees its own.
+INPUTS_CHECKED: ContextVar[bool] = ContextVar("deriv_inputs_checked", default=False)
+
+
+@contextlib.contextmanager
+def inputs_checked_upstream() -> Iterator[None]:
+    """Within it, a forward on an accelerator skips `check_inputs` (a host read per call) whenever the positions are
+    bounded on the host (`checked_upstream`): for callers that have checked the ids themselves, once, on the host."""
+    token = INPUTS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        INPUTS_CHECKED.reset(token)
+
+
+def lookup_fails_loudly(device: torch.device) -> bool:
+    """Whether an index outside a table raises a catchable IndexError on `device` (the CPU) rather than a device-side
+    assert that poisons the process (an accelerator)."""
+    return device.type == "cpu"
+
+
+def lookup_is_the_check(module: nn.Module, device: torch.device, vocab_size: int | None = None) -> bool:
+    """Whether the table lookups alone refuse every bad id and position: on the CPU, unless the embedding has rows
+    past the vocabulary (`pad_vocab_size_to_multiple_of`), whose ids the lookup would take."""
+    vocab_size = vocab_size or module.config.vocab_size
+    return lookup_fails_loudly(device) and module.embed_tokens.num_embeddings == vocab_size
+
+
+def checked_upstream(config, slots: int) -> bool:
+    """Whether a forward may skip `check_inputs`: its ids were checked upstream (`inputs_checked_upstream`), and the
+    positions are bounded on the host by the cache's slots (cached + new tokens, or a static cache's capacity:
+    Python ints, no device read), which generate()'s positions never exceed (left padding only lowers them)."""
+    return INPUTS_CHECKED.get() and 0 < slots <= config.max_position_embeddings
+
+
+def check_prompt(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
+    """`check_inputs` on generate()'s prompt, once, before the first forward (one host read for the whole call),
+    where the lookups are not the check (`lookup_is_the_check`)."""
+    if lookup_is_the_check(model.model, model.device):
+        return
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        return  # inputs_embeds, or something generate() itself refuses
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device)[None]
+    check_inputs(input_ids, position_ids, model.config)
+
+
 def embed_checked(
     module: nn.Module,
     input_ids: torch.LongTensor | None,
     inputs_embeds: torch.Tensor | None,
     position_ids: torch.LongTensor,
     vocab_size: int | None = None,
+    slots: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sqrt(d) E[tokens], PE[positions]) (for rotary positions PE is a (cos, sin) pair): `module`'s two table
     lookups (or the caller's `inputs_embeds`), with the range checks of `check_inputs` that name a bad id or
@@ -527,9 +584,13 @@ def embed_checked(
     does `check_inputs` read the values, to turn it into the error that names them; a decode step then pays
     nothing for its checks (they cost a reduction and a host read of three numbers per step, for each token
     generated). On an accelerator a bad index is a device-side assert that cannot be caught and poisons the
-    process, so the values are checked before the lookup, as before.
+    process, so the values are checked before the lookup, except in a decode step of generate(), whose prompt
+    `DerivForCausalLM.generate` has checked once (`checked_upstream`): no step reads back from the device.
     """
-    if position_ids.device.type != "cpu":
+    # (under torch.compile `check_inputs` returns at once: tested first, the context variable is never traced)
+    if torch.compiler.is_compiling() or checked_upstream(module.config, slots):
+        pass
+    elif not lookup_is_the_check(module, position_ids.device, vocab_size):
         check_inputs(input_ids, position_ids, module.config, vocab_size)
     try:
         if inputs_embeds is None:
@@ -540,16 +601,26 @@ def embed_checked(
         raise
 
 
-def check_mask(attention_mask: torch.Tensor | None, batch: int, length: int, name: str = "attention_mask") -> None:
-    """A 2-D padding mask has one entry per token attended over, (batch, cached + new tokens): a mask of
-    another shape would be broadcast or cut silently by the attention kernels, so refuse it by name."""
+def check_mask(
+    attention_mask: torch.Tensor | None, batch: int, length: int, name: str = "attention_mask", capacity: int = -1
+) -> None:
+    """A 2-D padding mask has one entry per token attended over, (batch, cached + new tokens), or one per position of
+    a static cache (`capacity`: later positions are hidden by the causal mask): a mask of another shape would be
+    broadcast or cut silently by the attention kernels, so refuse it by name."""
     if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
         return
-    if tuple(attention_mask.shape) != (batch, length):
+    if tuple(attention_mask.shape) != (batch, length) and tuple(attention_mask.shape) != (batch, capacity):
         raise ValueError(
             f"`{name}` has shape {tuple(attention_mask.shape)}, expected ({batch}, {length}): one entry per token "
             "of the input (and of the cache before it)."
         )
+
+
+def static_capacity(cache: Cache | None) -> int:
+    """The positions a static cache holds (-1 for a cache that grows, or none)."""
+    if not isinstance(cache, StaticCache):
+        return -1
+    return cache.get_max_length() if hasattr(cache, "get_max_length") else cache.get_max_cache_shape()
 
 
 class DerivModel(DerivPreTrainedModel):
@@ -558,7 +629,11 @@ class DerivModel(DerivPreTrainedModel):
 
     def __init__(self, config: DerivConfig):
         super().__init__(config)
-        self.embed_tokens = DerivScaledWordEmbedding(config.vocab_size, config.hidden_size, config.scale_embedding)
+        # padded_vocab_size rows (vocab_size unless `pad_vocab_size_to_multiple_of` rounds it up): the output
+        # projection is this table, and its row count is what the GPU's matrix multiply sees
+        self.embed_tokens = DerivScaledWordEmbedding(
+            config.padded_vocab_size, config.hidden_size, config.scale_embedding
+        )
         self.embed_positions = position_embedding(config)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([DerivDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
@@ -594,8 +669,10 @@ class DerivModel(DerivPreTrainedModel):
             # first real token of a row is not at index 0; generate() derives them from the mask.
             position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past_seen).unsqueeze(0)
         if cache is None or isinstance(cache, Cache):
-            check_mask(attention_mask, tokens.shape[0], past_seen + tokens.shape[1])
-        inputs_embeds, positions = embed_checked(self, input_ids, inputs_embeds, position_ids)
+            check_mask(attention_mask, tokens.shape[0], past_seen + tokens.shape[1], capacity=static_capacity(cache))
+        # the positions' bound on the host: cached + new tokens, or a static cache's capacity (-1: none known)
+        slots = past_seen + tokens.shape[1] if isinstance(past_seen, int) else static_capacity(cache)
+        inputs_embeds, positions = embed_checked(self, input_ids, inputs_embeds, position_ids, slots=slots)
 
         # M: causal (and padding) mask in the form the chosen attention kernel wants, or None
         # when the kernel's own is_causal path is exact. (The cache goes fourth, where it stands under
@@ -623,8 +700,31 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
     def __init__(self, config: DerivConfig):
         super().__init__(config)
         self.model = DerivModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # as many rows as the embedding (padded_vocab_size); forward() returns the first vocab_size columns
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
         self.post_init()
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """`PreTrainedModel.resize_token_embeddings`, kept consistent with a padded vocabulary: `vocab_size` becomes
+        `new_num_tokens` (the ids that exist), the tables get that many rows rounded up to the config's
+        `pad_vocab_size_to_multiple_of`, and ids that take over former padding rows start, with `mean_resizing`,
+        at the mean of the old ids' rows (as the library starts the rows it adds)."""
+        multiple = self.config.pad_vocab_size_to_multiple_of
+        if multiple == 1 or new_num_tokens is None:
+            return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        if pad_to_multiple_of is not None:
+            raise ValueError(
+                f"This model pads its vocabulary to a multiple of {multiple} rows "
+                "(config.pad_vocab_size_to_multiple_of); pass new_num_tokens alone."
+            )
+        old, old_rows = self.config.vocab_size, self.get_input_embeddings().weight.shape[0]
+        rows = -(-new_num_tokens // multiple) * multiple
+        embeddings = super().resize_token_embeddings(rows, mean_resizing=mean_resizing)
+        self.config.vocab_size = self.vocab_size = new_num_tokens  # the library set both to the row count
+        if mean_resizing and new_num_tokens > old:
+            with torch.no_grad():  # ids [old, old_rows) were padding rows; the library drew the rows it added
+                embeddings.weight[old : min(new_num_tokens, old_rows)] = embeddings.weight[:old].mean(0)
+        return embeddings
 
     @can_return_tuple
     @renamed_cache
@@ -638,6 +738,7 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        loss_chunk_size: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         r"""
@@ -646,6 +747,12 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
             position t predicts token t+1, and ignores positions labelled -100.
         logits_to_keep (`int` or `torch.Tensor`, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all); `generate()` passes 1.
+        loss_chunk_size (`int`, defaults to 0):
+            With `labels`: compute the loss `loss_chunk_size` positions at a time from the hidden states and the
+            output projection (`linear_cross_entropy.py`), never holding the (batch, length, vocabulary) logits,
+            and return `logits=None`. The same loss and gradients as the default (0: the logits, then the loss).
+
+        The logits have `config.vocab_size` columns, one per id, also when the output projection has padding rows.
         """
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -657,11 +764,12 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)  # (B, T, V)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if loss_chunk_size and labels is not None:
+            loss, logits = self.chunked_loss(hidden_states, labels, loss_chunk_size, **kwargs), None
+        else:
+            logits, loss = self.logits_of(hidden_states), None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -669,6 +777,62 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
+
+    def logits_of(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """h W_E^T for every id: (B, T, vocab_size). The padding rows of a padded vocabulary (their columns) are no
+        token and are cut off here (a view), so that no softmax, sampler or loss downstream ever sees them."""
+        logits = self.lm_head(hidden_states)
+        vocab_size = self.config.vocab_size
+        return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
+
+    def chunked_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, chunk_size: int, **kwargs):
+        """`loss_function`'s loss (the label shift, -100 ignored, `num_items_in_batch`) from the hidden states,
+        `chunk_size` positions at a time, without the logits (`linear_cross_entropy`).
+
+        Why a forward keyword (as `logits_to_keep`), not a config field or a model attribute: it is how the loss is
+        computed, not what the model is, so nothing of it goes into config.json; it changes what a call returns
+        (no logits), so each call asks for it, and a model shared with evaluation, generate() or the exported
+        folder never returns `logits=None` by surprise; and keywords reach the model through every wrapper the
+        trainer puts around it (accelerate's DDP / FSDP, torch.compile), as `num_items_in_batch` does."""
+        if not isinstance(self.lm_head, nn.Linear):  # a wrapped head (a LoRA on it) has more than its weight to apply
+            raise ValueError(
+                f"loss_chunk_size needs the output projection as a plain nn.Linear, not {type(self.lm_head).__name__}."
+            )
+        return linear_cross_entropy(
+            hidden_states,
+            self.lm_head.weight,
+            labels,
+            self.config.vocab_size,
+            chunk_size,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            ignore_index=kwargs.get("ignore_index", -100),
+            shift_labels=kwargs.get("shift_labels"),
+        )
+
+    def generate(self, *args, decode_loop: str | None = None, **kwargs):
+        r"""`GenerationMixin.generate`, with two additions.
+
+        decode_loop (`str`, *optional*):
+            `"compiled"`: greedy search or sampling in Deriv's decode loop, the whole step (forward, logits
+            processors, token choice) compiled into one graph replayed per token, with no host read per token
+            (`decode_loop.py`); the same tokens as without it for greedy search, the same distribution for
+            sampling, and an error naming anything it does not support (beams, some processors). `"eager"`: that
+            loop uncompiled. Also read from the generation config (`model.generation_config.decode_loop`).
+
+        The prompt's ids (and positions, if given) are checked once here, so that on an accelerator no decode step
+        reads its inputs back to the host (`embed_checked`).
+        """
+        config = kwargs.get("generation_config") or self.generation_config
+        loop = check_loop_name(decode_loop if decode_loop is not None else getattr(config, "decode_loop", None))
+        if loop is not None:
+            if kwargs.get("custom_generate") is not None:
+                raise ValueError("Pass `decode_loop` or `custom_generate`, not both: decode_loop is one.")
+            streamer = kwargs.pop("streamer", None)  # generate() would not pass it on: the loop streams
+            kwargs["custom_generate"] = functools.partial(run_decode_loop, loop=loop, loop_streamer=streamer)
+        prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        check_prompt(self, prompt, kwargs.get("position_ids"))
+        with inputs_checked_upstream():
+            return super().generate(*args, **kwargs)
 
 
 __all__ = ["DerivPreTrainedModel", "DerivModel", "DerivForCausalLM"]

@@ -249,11 +249,19 @@ class ModelArguments:
         True, "multiply the token embeddings by sqrt(d_model) (the paper's §3.4; --no-scale-embedding: GPT-2, Llama)"
     )
     dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
+    pad_vocab_size_to_multiple_of: int = arg(
+        1,
+        "give the embedding and the output projection the vocabulary's size rounded up to a multiple of this many "
+        "rows (64: 50257 -> 50304, faster matrix multiplies on GPUs); the extra rows are no token and never scored "
+        "(1: none)",
+        aliases=["--pad-vocab-multiple", "--pad_vocab_multiple"],
+    )
     init_from: str | None = arg(None, INIT_FROM_HELP)
 
     def __post_init__(self) -> None:
         _positive(self, "max_position_embeddings", optional=True)
         _positive(self, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        _positive(self, "pad_vocab_size_to_multiple_of")
         _positive(self, "num_key_value_heads", optional=True)
         _new_model_context(self)
         check_range("dropout", self.dropout, minimum=0, below=1)
@@ -377,10 +385,18 @@ class LanguageModelArguments:
     tokenizer_sample: int = arg(10000, "--streaming: a new tokenizer learns from this many training documents")
     shuffle_buffer: int = arg(1000, "--streaming: blocks in the shuffle buffer, reordered each pass (0: no shuffle)")
     eval_batches: int = arg(20, "validation batches per evaluation")
+    loss_implementation: Literal["plain", "chunked"] = arg(
+        "plain",
+        "how the training loss is computed: the logits of the whole batch, then cross-entropy (plain), or from the "
+        "hidden states --loss-chunk-size positions at a time, never holding the logits (chunked: less memory, "
+        "the same loss and gradients)",
+    )
+    loss_chunk_size: int = arg(1024, "--loss-implementation chunked: positions (tokens) per chunk")
 
     def __post_init__(self) -> None:
         _positive(self, "max_documents", optional=True)
-        _positive(self, "eval_batches", "validation_documents", "tokenizer_sample")
+        _positive(self, "eval_batches", "validation_documents", "tokenizer_sample", "loss_chunk_size")
+        _choice(self, "loss_implementation")
         check_range("shuffle_buffer", self.shuffle_buffer, minimum=0, integral=True)
         check_range("validation_fraction", self.validation_fraction, above=0, below=1)
         if self.streaming and self.max_documents is not None and self.max_documents <= self.validation_documents:

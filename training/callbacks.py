@@ -12,7 +12,10 @@ values as keywords; unknown keywords are for later events, so every hook takes `
 optimizer step the trainer calls, in this order, each callback in its list:
 
     on_train_begin(trainer)                     after resuming (state.step is the step resumed from), before step 1
-    on_step_end(trainer, result)                state.step counted; result: train_loss, grad_norm, targets
+    on_step_end(trainer, result)                state.step counted; result: train_loss, grad_norm, targets, as
+                                                tensors on the device (reading one waits for the device to finish
+                                                the step: read them only when needed, as the built-in ones do at
+                                                logging steps; state.tokens_seen is counted at those reads)
         -> if control.should_log: the step's record (loss, learning rate, throughput)
         -> if control.should_evaluate: trainer.evaluate(), the best evaluation noted in state, then
     on_evaluate(trainer, metrics, previous_best)    metrics: val_loss, val_perplexity
@@ -100,8 +103,9 @@ class LogMetrics(TrainerCallback):
         if trainer.state.step % trainer.args.log_every == 0 or last_step(trainer):
             trainer.control.should_log = True
         if trainer.state.step == 1:  # the first sign that training works, without waiting `log_every` steps
-            trainer.print(f"step 1: training loss {result['train_loss']:.4f}")
-            trainer.bar.set_postfix(loss=f"{result['train_loss']:.3f}")
+            loss = float(result["train_loss"])  # the one read of the device outside the logging steps
+            trainer.print(f"step 1: training loss {loss:.4f}")
+            trainer.bar.set_postfix(loss=f"{loss:.3f}")
 
     def on_evaluate(self, trainer, metrics: dict, **kwargs) -> None:
         trainer.print(

@@ -9,6 +9,7 @@ read pass after pass as a `datasets.IterableDataset`, never written to disk): `s
 
 from __future__ import annotations
 
+import functools
 from itertools import islice
 
 import torch
@@ -19,6 +20,7 @@ from ..data.streaming import held_out_documents, stream_datasets, tokenizer_samp
 from ..errors import UsageError, refused_as_usage
 from ..folder.load import read_folder
 from ..modeling_deriv import DerivConfig, DerivForCausalLM
+from ..modeling_deriv.modeling_deriv import inputs_checked_upstream
 from .args import NEW_MODEL_CONTEXT
 from .driver import run
 from .task import Outcome, Source, Task, TaskData
@@ -27,8 +29,17 @@ from .task import Outcome, Source, Task, TaskData
 SAMPLE_PROMPTS = ["Return the", "The default", "This module"]
 
 
-def collate(examples: list[dict]) -> dict:
+def collate(examples: list[dict], vocab_size: int | None = None) -> dict:
+    """A batch of packed blocks, its ids checked against the vocabulary here, on the host, as the loader builds it:
+    the training step then reads nothing back from the device to check them (`compute_loss`)."""
     input_ids = torch.stack([e["input_ids"] for e in examples])  # packed blocks: all the same length
+    if vocab_size is not None and input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"Token id {low if low < 0 else high} is outside the vocabulary: ids must lie in [0, {vocab_size}). "
+                "The tokenized data does not come from this run's tokenizer (a stale --cache-dir?)."
+            )
     return {"input_ids": input_ids, "labels": input_ids}
 
 
@@ -96,7 +107,8 @@ class LanguageModelTask(Task):
             streamed=a.streaming,
             validation_documents=a.validation_documents if a.streaming else None,
         )
-        return TaskData(train, validation, collate, None, a.eval_batches, "blocks", "tokens", record)
+        checked = functools.partial(collate, vocab_size=len(tokenizer))
+        return TaskData(train, validation, checked, None, a.eval_batches, "blocks", "tokens", record)
 
     def build_model(self, tokenizer) -> DerivForCausalLM:
         with refused_as_usage("the model's shape (--hidden-size and the layer and head flags)"):
@@ -112,6 +124,16 @@ class LanguageModelTask(Task):
     def count_targets(self, batch: dict) -> torch.Tensor:
         """Every position but the first of each block (it has no predecessor)."""
         return (batch["labels"][:, 1:] != -100).sum()
+
+    def compute_loss(self, model, batch: dict, num_targets: torch.Tensor) -> torch.Tensor:
+        """The model's own loss; with --loss-implementation chunked, computed `loss_chunk_size` positions at a time
+        without the logits (the forward keyword reaches the model through accelerate's and torch.compile's
+        wrappers). Evaluation keeps the plain loss (`Trainer.evaluate`)."""
+        # the collator checked the ids on the host: on an accelerator the forward reads nothing back to check them
+        with inputs_checked_upstream():
+            if self.args.loss_implementation == "chunked":
+                return model(**batch, num_items_in_batch=num_targets, loss_chunk_size=self.args.loss_chunk_size).loss
+            return super().compute_loss(model, batch, num_targets)
 
     def generation_config(self, model, tokenizer):
         from transformers import GenerationConfig

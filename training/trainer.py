@@ -86,6 +86,8 @@ class Trainer:
         settings = f"--preset {args.preset} and these flags" if getattr(args, "preset", None) else "these settings"
         self.checkpoints = Checkpoints(self.accelerator, args.checkpoint_dir, args.keep_checkpoints, settings)
         self.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+        self.unread: list[dict] = []  # the device values of the steps since the last `_read`
+        self.last_read: dict = {}
         STOP.phase = "while preparing the data"
 
     # ---- setting up ------------------------------------------------------------------------------
@@ -172,6 +174,7 @@ class Trainer:
             while not self._done():
                 for window in self._windows():
                     self._after_step(self._step(window))
+            self._read()  # the last steps' tokens and loss check, if no callback asked for them
         self.bar.close()
         STOP.phase = "while exporting (the output folder is as it was; continue with --resume)"
         self._call("on_train_end")
@@ -267,16 +270,36 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        train_loss = accelerator.reduce(loss_sum, "sum").item()
-        if not math.isfinite(train_loss):
-            last_good = (self.checkpoints.found() or ["none"])[-1]
-            raise NonFiniteLoss(
-                f"The training loss became {train_loss} at step {self.state.step + 1}; stopping. "
-                f"The last good checkpoint is {last_good}; lower --learning-rate, raise --warmup-steps, or use "
-                "--pre-norm."
-            )
         self.compute += time.perf_counter() - start
-        return {"train_loss": train_loss, "grad_norm": grad_norm, "targets": int(targets.item())}
+        # subtle: the values stay on the device, unread. Reading one (`.item()`) waits until the device has finished
+        # the step, and the next step's work could not be queued meanwhile; `_read` reads every unread step's values
+        # at once, at the steps that log, evaluate or save.
+        return {"train_loss": accelerator.reduce(loss_sum, "sum"), "grad_norm": grad_norm, "targets": targets}
+
+    def _read(self) -> dict:
+        """The values of the steps since the last read, on the host in one wait for the device: their target tokens
+        counted into the state, a loss that is not a number stopping the run (naming the first step it appeared at,
+        before any checkpoint or evaluation of what followed); returns the last step's values as numbers."""
+        if not self.unread:
+            return self.last_read
+        start, first = time.perf_counter(), self.state.step - len(self.unread) + 1
+        losses = torch.stack([r["train_loss"].float() for r in self.unread]).tolist()
+        targets = torch.stack([r["targets"] for r in self.unread]).tolist()
+        grad_norm = self.unread[-1]["grad_norm"]
+        self.last_read = {"train_loss": losses[-1], "grad_norm": None if grad_norm is None else float(grad_norm)}
+        self.compute += time.perf_counter() - start  # the wait is the device finishing those steps' work
+        self.unread = []
+        for step, loss in enumerate(losses, start=first):
+            if not math.isfinite(loss):
+                last_good = (self.checkpoints.found() or ["none"])[-1]
+                raise NonFiniteLoss(
+                    f"The training loss became {loss} at step {step}; stopping. The last good checkpoint is "
+                    f"{last_good}; lower --learning-rate, raise --warmup-steps, or use --pre-norm."
+                )
+        self.state.tokens_seen += sum(targets)
+        self.tokens_since_log += sum(targets)
+        self.last_read["targets"] = targets[-1]
+        return self.last_read
 
     def _after_step(self, result: dict) -> None:
         """Count the step; the callbacks (`on_step_end`) ask for a log record, an evaluation, a checkpoint, which
@@ -284,17 +307,18 @@ class Trainer:
         state, control = self.state, self.control
         control.new_step()
         state.step += 1
-        state.tokens_seen += result["targets"]
-        self.tokens_since_log += result["targets"]
+        self.unread.append(result)
         self.bar.update(1)
         self._call("on_step_end", result=result)
-        record = self._log_record(result) if control.should_log else None
+        record = self._log_record(self._read()) if control.should_log else None
         if control.should_evaluate:
+            self._read()
             record = {**(record or {"step": state.step, "tokens_seen": state.tokens_seen}), **self._evaluate()}
         if record is not None:
             self.log(record)
         signal = STOP.received  # checked last: a signal that arrives during the evaluation is heeded at this step
         if control.should_save or signal is not None:
+            self._read()  # a checkpoint holds no step after a loss that was not a number
             path = self.checkpoints.save(state, self.scheduler, protect=control.keep_step)
             self._call("on_save", path=path)
             if signal is not None:
@@ -324,7 +348,7 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "train_loss": result["train_loss"],
             "learning_rate": self.scheduler.get_last_lr()[0],
-            "grad_norm": None if grad_norm is None else float(grad_norm),  # None under DeepSpeed
+            "grad_norm": grad_norm,  # None under DeepSpeed
             # throughput of the training steps alone (evaluation and saving excluded)
             "tokens_per_second": self.tokens_since_log / busy,
             "data_wait_share": self.data_wait / busy,

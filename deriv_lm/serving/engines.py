@@ -68,6 +68,8 @@ class GenerateEngine:
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         class Cancelled(StoppingCriteria):
+            checked_every_block = True  # the decode loop (--decode-loop) asks every few tokens, not every one
+
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((input_ids.shape[0],), job.cancelled.is_set(), dtype=torch.bool)
 

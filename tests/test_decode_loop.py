@@ -1,0 +1,374 @@
+"""Deriv's decode loop (`modeling_deriv/decode_loop.py`): generate()'s tokens for greedy search, its distribution for
+sampling, an error naming what it does not do, and no per-step host check of the inputs.
+
+The fast tier runs the loop uncompiled (`decode_loop="eager"`: the same step function, the loop's whole logic);
+the slow tier compiles it, as a user on a GPU runs it.
+"""
+
+import functools
+import shutil
+
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    StoppingCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+from deriv_lm.modeling_deriv import (
+    DerivConfig,
+    DerivForCausalLM,
+    FrequencyPenaltyLogitsProcessor,
+    PresencePenaltyLogitsProcessor,
+)
+from deriv_lm.modeling_deriv import decode_loop as loop_module
+from deriv_lm.modeling_deriv import modeling_deriv as modeling
+from deriv_lm.modeling_deriv.decode_loop import DecodeLoopUnsupported, decode_loop
+
+
+SHAPES = {
+    "paper": {},
+    "gpt2": {
+        "position_embedding_type": "learned",
+        "pre_norm": True,
+        "hidden_act": "gelu_new",
+        "scale_embedding": False,
+    },
+    "llama": {
+        "position_embedding_type": "rotary",
+        "norm_type": "rms_norm",
+        "gated_mlp": True,
+        "num_key_value_heads": 2,
+        "bias": False,
+        "pre_norm": True,
+        "hidden_act": "silu",
+    },
+}
+
+
+def tiny(kind: str = "paper", seed: int = 1) -> DerivForCausalLM:
+    """A random decoder whose greedy output does not collapse into one repeated token (as one initialised for
+    training does, at this size): large weights, a unit-variance embedding."""
+    torch.manual_seed(seed)
+    config = DerivConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=96,
+        dropout=0.0,
+        initializer_range=1.0,
+        **SHAPES[kind],
+    )
+    model = DerivForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {kind: tiny(kind) for kind in SHAPES}
+
+
+def prompt(batch: int = 1, length: int = 7, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+GREEDY = {"do_sample": False, "pad_token_id": 0}
+
+
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_greedy_tokens_are_generates_for_each_decoder(models, kind):
+    model, ids = models[kind], prompt()
+    expected = model.generate(ids, max_new_tokens=40, eos_token_id=None, **GREEDY)
+    got = model.generate(ids, max_new_tokens=40, eos_token_id=None, decode_loop="eager", **GREEDY)
+    assert torch.equal(got, expected)
+
+
+def ends_at(model, ids, step: int) -> int:
+    """A token that greedy decoding writes first near new position `step` of row 0: as eos, it ends that row
+    there (after `step` // 2 new tokens at least)."""
+    free = model.generate(ids, max_new_tokens=step + 1, eos_token_id=None, **GREEDY)[0, ids.shape[1] :].tolist()
+    firsts = [i for i, token in enumerate(free) if token not in free[:i] and i >= step // 2]
+    assert firsts, "greedy decoding of this tiny model repeats itself; pick another prompt"
+    return free[firsts[-1]]
+
+
+@pytest.mark.parametrize("kind", ["paper", "llama"])
+def test_left_padded_batch_ending_early_is_generates(models, kind):
+    """Rows of different lengths (left padding), an end-of-sequence that ends one row early: the same tokens, the
+    same pads after the end, the same length (cut where generate() stops)."""
+    model = models[kind]
+    ids, mask = prompt(3, 9, seed=2), torch.ones(3, 9, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    ids[2, :5], mask[2, :5] = 0, 0
+    eos = ends_at(model, ids[:1], 5)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 30, "eos_token_id": eos, **GREEDY}
+    expected = model.generate(ids, **kwargs)
+    got = model.generate(ids, decode_loop="eager", **kwargs)
+    assert torch.equal(got, expected)
+    assert (expected[0, 9 + 6 :] == 0).all(), "row 0 ended, then pads"
+
+
+def test_stops_where_generate_stops_when_every_row_ends(models):
+    model, ids = models["paper"], prompt()
+    eos = ends_at(model, ids, 20)  # past the first CHECK_EVERY block: the cut is inside a later one
+    expected = model.generate(ids, max_new_tokens=60, eos_token_id=eos, **GREEDY)
+    got = model.generate(ids, max_new_tokens=60, eos_token_id=eos, decode_loop="eager", **GREEDY)
+    assert expected.shape[1] < ids.shape[1] + 60
+    assert torch.equal(got, expected)
+
+
+def test_penalties_change_greedy_choices_the_same_way(models):
+    model, ids = models["gpt2"], prompt(2, 6)
+    processors = LogitsProcessorList([PresencePenaltyLogitsProcessor(1.5)])
+    kwargs = {"max_new_tokens": 40, "eos_token_id": None, "repetition_penalty": 1.8, **GREEDY}
+    plain = model.generate(ids, max_new_tokens=40, eos_token_id=None, **GREEDY)
+    expected = model.generate(ids, logits_processor=processors, **kwargs)
+    got = model.generate(ids, logits_processor=processors, decode_loop="eager", **kwargs)
+    assert not torch.equal(expected, plain), "the penalties must matter for this test to mean anything"
+    assert torch.equal(got, expected)
+
+
+def test_transformers_custom_generate_hook_runs_the_same_loop(models):
+    """`custom_generate=decode_loop` compiles the step (its default); here uncompiled through the same hook."""
+    model, ids = models["llama"], prompt()
+    expected = model.generate(ids, max_new_tokens=20, eos_token_id=None, **GREEDY)
+    decode_loop = functools.partial(loop_module.decode_loop, loop="eager")
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=20, eos_token_id=None, custom_generate=decode_loop, **GREEDY), expected
+    )
+
+
+def test_the_generation_config_switch_survives_save_and_load(tmp_path, monkeypatch):
+    """A `decode_loop` key in generation_config.json (as a folder's own file has it, not one derived from
+    config.json, whose extra keys transformers drops) chooses the loop for every generate() of the model."""
+    model, ids = tiny("paper"), prompt()
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, decode_loop="eager")
+    model.save_pretrained(tmp_path)
+    loaded = DerivForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.generation_config.decode_loop == "eager"
+    calls = []
+    original = loop_module.run_steps
+    monkeypatch.setattr(loop_module, "run_steps", lambda *a, **k: calls.append(1) or original(*a, **k))
+    expected = tiny("paper").generate(ids, max_new_tokens=10, eos_token_id=None, **GREEDY)  # no switch
+    assert calls == []
+    got = loaded.generate(ids, max_new_tokens=10, eos_token_id=None, **GREEDY)
+    assert calls == [1], "the folder's generation config chose the loop"
+    assert torch.equal(got, expected)
+
+
+def test_streamer_sees_what_generate_streams(models):
+    model, ids = models["paper"], prompt()
+    eos = ends_at(model, ids, 18)
+
+    class Record:
+        def __init__(self):
+            self.puts = []
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.puts.append("end")
+
+    records = []
+    for loop in (None, "eager"):
+        record = Record()
+        model.generate(ids, max_new_tokens=40, eos_token_id=eos, streamer=record, decode_loop=loop, **GREEDY)
+        records.append(record.puts)
+    assert records[0] == records[1]
+    assert records[0][-1] == "end" and 1 + 9 + 1 < len(records[0]) < 1 + 40 + 1  # the prompt, tokens, the end
+
+
+def exact_pair_distribution(model, ids, warpers) -> dict:
+    """p(t1, t2) under the warpers, from the model's own logits: the distribution both loops sample from."""
+
+    @torch.no_grad()
+    def step(sequence):
+        logits = model(sequence).logits[:, -1].float()
+        return torch.softmax(warpers(sequence, logits), dim=-1)[0]
+
+    joint = {}
+    first = step(ids)
+    for a in first.nonzero().flatten().tolist():
+        second = step(torch.cat([ids, torch.tensor([[a]])], dim=1))
+        for b in second.nonzero().flatten().tolist():
+            joint[(a, b)] = float(first[a] * second[b])
+    return joint
+
+
+def test_sampling_draws_from_generates_distribution(models):
+    """Two sampled tokens for 4000 copies of one prompt: the frequencies of each pair against the exact p(t1, t2)
+    that generate()'s processors define (top-k 3, temperature 0.7): total variation under 0.05 (its expected value
+    at this sample size is about 0.02; a wrong temperature, an off-by-one position or a stale cache moves it
+    past 0.1)."""
+    model, ids = models["paper"], prompt(1, 5)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(3)])
+    exact = exact_pair_distribution(model, ids, warpers)
+    torch.manual_seed(0)
+    batch = ids.repeat(4000, 1)
+    out = model.generate(
+        batch,
+        max_new_tokens=2,
+        do_sample=True,
+        temperature=0.7,
+        top_k=3,
+        eos_token_id=None,
+        pad_token_id=0,
+        decode_loop="eager",
+    )
+    pairs = [tuple(row) for row in out[:, -2:].tolist()]
+    counts = {pair: pairs.count(pair) / len(pairs) for pair in set(pairs)}
+    assert set(counts) <= set(exact)
+    distance = 0.5 * sum(abs(counts.get(pair, 0.0) - p) for pair, p in exact.items())
+    assert distance < 0.05
+
+
+class Never(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"num_beams": 2}, "generation mode"),
+        ({"logits_processor": LogitsProcessorList([FrequencyPenaltyLogitsProcessor(0.5)])}, "FrequencyPenalty"),
+        ({"no_repeat_ngram_size": 2}, "NoRepeatNGram"),
+        ({"stopping_criteria": [Never()]}, "stopping criterion Never"),
+        ({"max_time": 10.0}, "MaxTimeCriteria"),
+        ({"return_dict_in_generate": True, "output_scores": True}, "output_scores"),
+    ],
+)
+def test_what_the_loop_does_not_do_is_refused_by_name(models, kwargs, named):
+    model = models["paper"]
+    with pytest.raises(DecodeLoopUnsupported, match=named):
+        model.generate(prompt(), max_new_tokens=5, decode_loop="eager", **{**GREEDY, **kwargs})
+
+
+def test_a_wrong_loop_name_and_a_double_switch_are_refused(models):
+    model = models["paper"]
+    with pytest.raises(ValueError, match="decode_loop"):
+        model.generate(prompt(), max_new_tokens=5, decode_loop="fast", **GREEDY)
+    with pytest.raises(ValueError, match="not both"):
+        model.generate(prompt(), max_new_tokens=5, decode_loop="eager", custom_generate=decode_loop, **GREEDY)
+
+
+def test_return_dict_carries_the_sequences(models):
+    model, ids = models["paper"], prompt()
+    out = model.generate(ids, max_new_tokens=8, return_dict_in_generate=True, decode_loop="eager", **GREEDY)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=8, **GREEDY))
+
+
+class CountedChecks:
+    """An accelerator's rules on the CPU (no lookup raises for us: `check_inputs` must run first), counting the
+    checks, each of which reads back from the device."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = modeling.check_inputs
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(modeling, "check_inputs", counted)
+        monkeypatch.setattr(modeling, "lookup_fails_loudly", lambda device: False)
+
+
+@pytest.mark.parametrize("loop", [None, "eager"])
+def test_generate_checks_the_prompt_once_not_every_step(models, monkeypatch, loop):
+    """Before: one check (one host read) per decode step on an accelerator. Now: the prompt's, once."""
+    checks = CountedChecks(monkeypatch)
+    models["paper"].generate(prompt(), max_new_tokens=20, eos_token_id=None, decode_loop=loop, **GREEDY)
+    assert checks.calls == 1
+
+
+def test_a_forward_outside_generate_is_still_checked(models, monkeypatch):
+    checks = CountedChecks(monkeypatch)
+    with pytest.raises(ValueError, match="Token id 500 is outside the vocabulary"):
+        models["paper"](torch.tensor([[5, 500]]))
+    assert checks.calls == 1
+
+
+@pytest.mark.parametrize("loop", [None, "eager"])
+def test_a_bad_prompt_is_named_before_any_step(models, monkeypatch, loop):
+    CountedChecks(monkeypatch)
+    with pytest.raises(ValueError, match="Token id 97 is outside the vocabulary"):
+        models["paper"].generate(torch.tensor([[5, 97]]), max_new_tokens=5, decode_loop=loop, **GREEDY)
+
+
+def test_generating_past_the_position_table_is_named_not_a_device_assert(models, monkeypatch):
+    """generate() itself lets max_new_tokens run past max_position_embeddings; the step past the table must still be
+    stopped by the check (which the steps before it skipped), naming the position."""
+    CountedChecks(monkeypatch)
+    with pytest.raises(ValueError, match="Position 96 is past the end of the position table"):
+        models["paper"].generate(prompt(1, 90), max_new_tokens=10, eos_token_id=None, **GREEDY)
+
+
+def compiles(test):
+    """Slow (a compile takes seconds), and needs the C++ compiler inductor builds CPU kernels with."""
+    test = pytest.mark.slow(test)
+    test = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler")(
+        test
+    )
+    return pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")(test)
+
+
+@compiles
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_compiled_loop_gives_generates_greedy_tokens(kind):
+    model, ids = tiny(kind, seed=3), prompt(1, 6, seed=4)
+    expected = model.generate(ids, max_new_tokens=48, eos_token_id=None, **GREEDY)
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=48, eos_token_id=None, decode_loop="compiled", **GREEDY), expected
+    )
+    ids2, mask = prompt(2, 8, seed=5), torch.ones(2, 8, dtype=torch.long)
+    ids2[1, :3], mask[1, :3] = 0, 0
+    eos = ends_at(model, ids2[:1], 4)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 24, "eos_token_id": eos, **GREEDY}
+    assert torch.equal(model.generate(ids2, decode_loop="compiled", **kwargs), model.generate(ids2, **kwargs))
+
+
+@compiles
+def test_compiled_loop_samples_generates_distribution():
+    model, ids = tiny("paper", seed=2), prompt(1, 5, seed=6)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(4)])
+    exact = exact_pair_distribution(model, ids, warpers)
+    torch.manual_seed(1)
+    out = model.generate(
+        ids.repeat(4000, 1),
+        max_new_tokens=2,
+        do_sample=True,
+        temperature=0.8,
+        top_k=4,
+        eos_token_id=None,
+        pad_token_id=0,
+        decode_loop="compiled",
+    )
+    pairs = [tuple(row) for row in out[:, -2:].tolist()]
+    counts = {pair: pairs.count(pair) / len(pairs) for pair in set(pairs)}
+    assert 0.5 * sum(abs(counts.get(pair, 0.0) - p) for pair, p in exact.items()) < 0.05
+
+
+@compiles
+def test_the_accelerators_branch_compiles_into_one_graph(monkeypatch):
+    """On a GPU the forward takes the branch that checks before the lookups; under the compiled step (fullgraph) that
+    branch must trace without a break (a context variable read would break it). The CPU takes it here."""
+    monkeypatch.setattr(modeling, "lookup_fails_loudly", lambda device: False)
+    model, ids = tiny("llama", seed=5), prompt(1, 6, seed=7)
+    expected = model.generate(ids, max_new_tokens=20, eos_token_id=None, **GREEDY)
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=20, eos_token_id=None, decode_loop="compiled", **GREEDY), expected
+    )
+
+
+def test_a_request_past_the_position_table_is_named_before_decoding(models):
+    with pytest.raises(ValueError, match="Position 96 is past the end of the position table"):
+        models["paper"].generate(prompt(1, 90), max_new_tokens=10, eos_token_id=None, decode_loop="eager", **GREEDY)
