@@ -34,7 +34,7 @@ PIP := -m pip install --quiet --disable-pip-version-check
 SETUP_PIP := -m pip install --disable-pip-version-check --progress-bar $(shell test -t 2 && echo on || echo off)
 
 .PHONY: setup test test-slow test-oldest test-newest test-all coverage lock train train-translation lint lint-imports bench \
-	bench-seq2seq bench-tokenizer browser clean test-llamacpp
+	bench-seq2seq bench-tokenizer gpu-check browser clean test-llamacpp
 
 setup: $(STAMP)
 
@@ -144,6 +144,14 @@ bench-seq2seq: setup
 
 bench-tokenizer: setup
 	$(VENV)/bin/deriv bench tokenizer $(BENCH_ARGS)
+
+# Every GPU row of docs/results.md in one command (`deriv bench gpu`, about 8 minutes on one H100 / H200): one
+# table on the terminal, the same rows in $(GPU_JSON). A GPU needs a CUDA build of torch in .venv (a fresh one:
+# `make gpu-check TORCH=torch`). `make gpu-check GPU_CHECK_ARGS=--dry-run` runs the same code on the CPU in a minute.
+GPU_JSON ?= runs/gpu-check.json
+gpu-check: setup
+	mkdir -p $(dir $(GPU_JSON))
+	$(VENV)/bin/deriv bench gpu --json $(GPU_JSON) $(GPU_CHECK_ARGS)
 
 # The explorer's browser tests (tests/test_explore_browser.py) drive Debian's Chromium through its chromedriver,
 # which they skip without (and CI, with DERIV_REQUIRE_BROWSER=1, fails without). This installs the two Debian

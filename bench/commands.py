@@ -1,4 +1,4 @@
-"""`deriv bench decoder|seq2seq|tokenizer|training|serving|inference`: the command-line side of the benchmarks.
+"""`deriv bench decoder|seq2seq|tokenizer|training|serving|inference|gpu|...`: the command-line side of the benchmarks.
 
 Each kind is a module of this room with `add_arguments(parser)` and `run(args)`, also runnable alone as
 `python -m deriv_lm.bench.<kind>`. `deriv bench-seq2seq`, `bench-tokenizer` and `bench-training` are the old
@@ -24,6 +24,7 @@ KINDS = {
     "KV-cache memory",
     "ablation": "the paper's decoder made modern one change at a time, each trained on the main job and measured",
     "runtimes": "batch-1 greedy decode in CTranslate2 and llama.cpp beside Deriv's and the memory-bandwidth floor",
+    "gpu": "every GPU row in one table: training with the peers, deriv train lm, FSDP, decode, serving, sdpa",
 }
 
 

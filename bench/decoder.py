@@ -8,20 +8,24 @@ vocab 8192), the same threads, the same inputs, sdpa attention and no dropout. T
 the two models step by step so that machine noise hits both alike; the table gives medians and the
 Deriv / GPT-2 ratio. Peak memory is measured in a fresh child process per model and workload
 (peak resident set size above the process's size before the model was built).
+
+    deriv bench decoder --device cuda              # on a GPU: training under bf16 autocast, decoding in bf16
+
+--device (auto: cuda where there is one) puts both models there; --dtype (auto: bfloat16 on cuda, float32 on the
+CPU) is the autocast of the training steps (float32: none) and the weights' dtype for generation. On cuda the
+clock is read after a synchronize, AdamW is fused, the matmul peak is of bfloat16 matmuls, and peak memory is the
+allocator's (`torch.cuda.max_memory_allocated`) in this process, not a child's resident size.
 """
 
 import argparse
-import contextlib
-import multiprocessing as mp
-import os
 import statistics
-import sys
-import time
 
 import torch
 
 from ..arguments import integer
 from ..errors import refused_as_usage
+from . import device as dev
+from .device import peak_tensor_mib  # noqa: F401 (seq2seq, older callers)
 from .report import check_json_path, entry_point, side_by_side
 
 
@@ -65,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-repeats", type=integer(minimum=1), default=5, help="child processes per model and workload (median)"
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    dev.add_device_arguments(parser, dtype="the training steps' autocast and the weights' dtype for generation")
 
 
 def build(kind: str, args) -> torch.nn.Module:
@@ -112,11 +117,15 @@ def build(kind: str, args) -> torch.nn.Module:
 
 
 def optimizer_for(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    """AdamW, fused into one kernel per step on cuda (as a GPU run trains)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=next(model.parameters()).is_cuda)
 
 
-def train_step(model, optimizer, batch) -> None:
-    loss = model(input_ids=batch, labels=batch).loss
+def train_step(model, optimizer, batch, dtype: torch.dtype = torch.float32, **forward) -> None:
+    """One AdamW step on `batch` (its own labels), the forward under `dtype` autocast, given any other `forward`
+    keywords."""
+    with dev.autocast(batch.device.type, dtype):
+        loss = model(input_ids=batch, labels=batch, **forward).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -145,145 +154,118 @@ def flops_per_token(args) -> float:
 
 
 def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """This machine's fp32 matmul throughput, the ceiling for model FLOP utilisation."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / min(times) / 1e9
+    """This machine's fp32 matmul throughput, the ceiling for model FLOP utilisation (the CPU's; on any device:
+    `device.matmul_peak_flops`)."""
+    return dev.matmul_peak_flops("cpu", size, repeats) / 1e9
 
 
-@contextlib.contextmanager
-def _stderr_silenced():
-    """The profiler's C++ side prints start/stop lines on file descriptor 2; keep the table readable."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def peak_tensor_mib(fn) -> float:
-    """Peak of tensor memory allocated while `fn` runs, beyond what was live before, from the profiler's
-    allocation events: exact and independent of the allocator, unlike the process's resident size."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        # frees arrive as "[memory]" events; an op's own allocations are its self memory
-        live += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak / 2**20
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _memory_child(kind, workload, args, queue):
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    base = _rss_kib("VmRSS")
-    model = build(kind, args)
+def _memory_job(kind, workload, args) -> None:
+    """Build `kind` on the bench's device and run `workload` (`train`, or a generation batch size) on it."""
+    device, dtype = dev.of(args)
+    model = build(kind, args).to(device)
     if workload == "train":
         optimizer = optimizer_for(model)
         batch = torch.randint(0, args.vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
         for _ in range(2):
-            train_step(model, optimizer, batch)
+            train_step(model, optimizer, batch.to(device), dtype)
     else:
-        model.eval()
+        model.eval().to(dtype)
         prompt = torch.randint(3, args.vocab, (workload, args.prompt), generator=torch.Generator().manual_seed(0))
-        generate(model, prompt, args.new_tokens)
-    queue.put((_rss_kib("VmHWM") - base) / 1024)
+        generate(model, prompt.to(device), args.new_tokens)
 
 
 def peak_memory_mib(kind: str, workload, args) -> float:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_memory_child, args=(kind, workload, args, queue))
-    proc.start()
-    value = queue.get(timeout=900)
-    proc.join()
-    return value
+    """The peak memory of building `kind` and running `workload`: a fresh child's resident size on the CPU, the
+    allocator's peak on cuda (`device.peak_memory_mib`)."""
+    return dev.peak_memory_mib(dev.of(args)[0], _memory_job, kind, workload, args, threads=args.threads)
+
+
+KINDS = ("deriv", "gpt2")
+
+
+def interleaved_seconds(step, kinds, repeats: int, device: str) -> dict:
+    """{kind: [seconds of `step(kind)`, `repeats` times]}, the kinds alternating who goes first, so that machine
+    noise hits them alike; the device synchronized before each clock reading."""
+    times = {k: [] for k in kinds}
+    for i in range(repeats):
+        for k in kinds if i % 2 == 0 else kinds[::-1]:
+            start = dev.clock(device)
+            step(k)
+            times[k].append(dev.clock(device) - start)
+    return times
+
+
+def train_rows(args, models, batch, device, dtype) -> tuple[list, dict, dict]:
+    """Training rows (tokens/s, MFU against the device's measured matmul peak), the peak tensor memory of a step,
+    and {"peak": FLOP/s}."""
+    optimizers = {k: optimizer_for(m) for k, m in models.items()}
+    for k in KINDS:  # warm-up: the first steps allocate the optimizer's state
+        for _ in range(2):
+            train_step(models[k], optimizers[k], batch, dtype)
+    times = interleaved_seconds(
+        lambda k: train_step(models[k], optimizers[k], batch, dtype), KINDS, args.train_steps, device
+    )
+    tps = {k: batch.numel() / statistics.median(times[k]) for k in KINDS}
+    rows = [(f"train tokens/s ({dev.dtype_name(dtype)}, AdamW)", tps["deriv"], tps["gpt2"], "tok/s")]
+    peaks = {
+        k: peak_tensor_mib(lambda m=models[k], o=optimizers[k]: train_step(m, o, batch, dtype), device) for k in KINDS
+    }
+    peak = dev.matmul_peak_flops(device)
+    mfu = {k: dev.mfu(flops_per_token(args), tps[k], peak) for k in KINDS}
+    rows.append(("train model FLOP utilisation", mfu["deriv"], mfu["gpt2"], "% of peak"))
+    table = dev.table_peak(dev.device_name(device)) if device == "cuda" else None
+    if table:  # the datasheet's dense bf16 peak as well, where the device's name is in the table
+        mfu = {k: dev.mfu(flops_per_token(args), tps[k], table[0] * 1e12) for k in KINDS}
+        rows.append(("train model FLOP utilisation, datasheet peak", mfu["deriv"], mfu["gpt2"], "% of peak"))
+    return rows, {"train step": peaks}, {"peak": peak}
+
+
+def generate_rows(args, models, gen, device) -> tuple[list, dict]:
+    """Greedy generation rows (dynamic cache, exactly --new-tokens new tokens) and each batch's peak tensor memory."""
+    rows, peaks = [], {}
+    for bs in args.gen_batches:
+        prompt = torch.randint(3, args.vocab, (bs, args.prompt), generator=gen).to(device)
+        for k in KINDS:
+            generate(models[k], prompt, 8)  # warm-up
+        times = interleaved_seconds(
+            lambda k, p=prompt: generate(models[k], p, args.new_tokens), KINDS, args.gen_repeats, device
+        )
+        tps = {k: bs * args.new_tokens / statistics.median(times[k]) for k in KINDS}
+        rows.append((f"generate new tokens/s, batch {bs} (greedy)", tps["deriv"], tps["gpt2"], "tok/s"))
+        peaks[f"generate batch {bs}"] = {
+            k: peak_tensor_mib(lambda m=models[k], p=prompt: generate(m, p, args.new_tokens), device) for k in KINDS
+        }
+    return rows, peaks
 
 
 def run(args) -> int:
     check_json_path(args.json)
+    device, dtype = dev.of(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kinds = ("deriv", "gpt2")
-    models = {k: build(k, args) for k in kinds}
+    models = {k: build(k, args).to(device) for k in KINDS}
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, args.vocab, (args.batch, args.context), generator=gen)
-    rows = []  # (metric, deriv, gpt2, unit)
-
-    # Training: warm up (first steps allocate optimizer state), then alternate the models step by step.
-    optimizers = {k: optimizer_for(m) for k, m in models.items()}
-    for k in kinds:
-        for _ in range(2):
-            train_step(models[k], optimizers[k], batch)
-    step_times = {k: [] for k in kinds}
-    for i in range(args.train_steps):
-        for k in kinds if i % 2 == 0 else kinds[::-1]:  # alternate who goes first
-            start = time.perf_counter()
-            train_step(models[k], optimizers[k], batch)
-            step_times[k].append(time.perf_counter() - start)
-    tokens = args.batch * args.context
-    train_tps = {k: tokens / statistics.median(step_times[k]) for k in kinds}
-    rows.append(("train tokens/s (fp32, AdamW)", train_tps["deriv"], train_tps["gpt2"], "tok/s"))
-    tensor_peaks = {
-        "train step": {k: peak_tensor_mib(lambda m=models[k], o=optimizers[k]: train_step(m, o, batch)) for k in kinds}
-    }
-    del optimizers
-
-    peak = matmul_peak_gflops()
-    mfu = {k: flops_per_token(args) * train_tps[k] / 1e9 / peak for k in kinds}
-    rows.append(("train model FLOP utilisation", 100 * mfu["deriv"], 100 * mfu["gpt2"], "% of peak"))
-
-    # Generation: greedy, dynamic cache, exactly args.new_tokens new tokens.
+    batch = torch.randint(0, args.vocab, (args.batch, args.context), generator=gen).to(device)
+    rows, tensor_peaks, measured = train_rows(args, models, batch, device, dtype)  # rows: (metric, deriv, gpt2, unit)
     for m in models.values():
-        m.eval()
-    for bs in args.gen_batches:
-        prompt = torch.randint(3, args.vocab, (bs, args.prompt), generator=gen)
-        for k in kinds:
-            generate(models[k], prompt, 8)  # warm-up
-        times = {k: [] for k in kinds}
-        for i in range(args.gen_repeats):
-            for k in kinds if i % 2 == 0 else kinds[::-1]:
-                start = time.perf_counter()
-                generate(models[k], prompt, args.new_tokens)
-                times[k].append(time.perf_counter() - start)
-        tps = {k: bs * args.new_tokens / statistics.median(times[k]) for k in kinds}
-        rows.append((f"generate new tokens/s, batch {bs} (greedy)", tps["deriv"], tps["gpt2"], "tok/s"))
-        tensor_peaks[f"generate batch {bs}"] = {
-            k: peak_tensor_mib(lambda m=models[k], p=prompt: generate(m, p, args.new_tokens)) for k in kinds
-        }
+        m.eval().to(dtype)
+    generated, peaks = generate_rows(args, models, gen, device)
+    rows += generated
+    tensor_peaks.update(peaks)
     del models
     for label, peak_mib in tensor_peaks.items():
         rows.append((f"peak tensor memory, {label}", peak_mib["deriv"], peak_mib["gpt2"], "MiB"))
 
     if not args.no_memory:
+        what = "allocated (cuda)" if device == "cuda" else "resident"
         for workload in ["train", *args.gen_batches]:
             mem = {
                 k: statistics.median(peak_memory_mib(k, workload, args) for _ in range(args.memory_repeats))
-                for k in kinds
+                for k in KINDS
             }
             label = "train step" if workload == "train" else f"generate batch {workload}"
-            rows.append((f"peak resident memory, {label}", mem["deriv"], mem["gpt2"], "MiB"))
+            rows.append((f"peak {what} memory, {label}", mem["deriv"], mem["gpt2"], "MiB"))
 
     title = (
         f"Deriv vs GPT2LMHeadModel: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
@@ -293,9 +275,14 @@ def run(args) -> int:
             if args.same_weights
             else f"Deriv act={args.hidden_act}, {'pre' if args.pre_norm else 'post'}-LN; "
         )
-        + f"threads={torch.get_num_threads()}, torch {torch.__version__}"
+        + f"{dev.device_name(device)}, {dev.dtype_name(dtype)}; threads={torch.get_num_threads()}, "
+        f"torch {torch.__version__}"
     )
-    notes = [f"parameters: Deriv {params['deriv']:,}, GPT-2 {params['gpt2']:,}; fp32 matmul peak {peak:.0f} GFLOP/s"]
+    kind = "bf16" if device == "cuda" else "fp32"
+    notes = [
+        f"parameters: Deriv {params['deriv']:,}, GPT-2 {params['gpt2']:,}; {kind} matmul peak "
+        f"{measured['peak'] / 1e9:.0f} GFLOP/s"
+    ]
     side_by_side(title, notes, rows, "GPT-2", "gpt2", args.json)
     return 0
 

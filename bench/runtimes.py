@@ -3,7 +3,8 @@
 One Llama-shaped Deriv decoder at the benchmark shape (`--layers --hidden --heads --context --vocab`; rotary,
 RMSNorm, SwiGLU with d_ff = 4 x hidden, `--kv-heads` key/value heads, no biases) with its initial weights and
 a byte-level BPE of `--vocab` ids learned from the default corpus, then:
-- Deriv: `generate()`, dynamic cache, float32;
+- Deriv: `generate()`, dynamic cache, float32; and `generate(decode_loop="compiled")`, Deriv's decode loop, the
+  whole step compiled into one graph (the first, warm-up decode compiles it);
 - CTranslate2: `deriv export --to ctranslate2`, float32 and int8 (`Generator.generate_batch`, greedy);
 - llama.cpp: `deriv export --to gguf`, f32, f16 and q8_0 (llama-cpp-python's `generate`, greedy), only where
   llama_cpp imports (it compiles from source: `make test-llamacpp` builds it).
@@ -112,7 +113,7 @@ class _Stamps:
         pass
 
 
-def deriv_decoder(model):
+def deriv_decoder(model, decode_loop: str | None = None):
     def decode(prompt, n):
         stamps = _Stamps()
         with torch.no_grad():
@@ -124,6 +125,7 @@ def deriv_decoder(model):
                 pad_token_id=0,
                 eos_token_id=None,
                 streamer=stamps,
+                decode_loop=decode_loop,
             )
         return stamps.times
 
@@ -193,7 +195,10 @@ def run(args) -> int:
 
         tokens = AutoTokenizer.from_pretrained(folder).convert_ids_to_tokens(list(range(args.vocab)))
         bandwidth = memory_bandwidth()
-        runs = [("Deriv generate()", "float32", weight_bytes(model), deriv_decoder(model))]
+        runs = [
+            ("Deriv generate()", "float32", weight_bytes(model), deriv_decoder(model)),
+            ("Deriv decode loop", "float32", weight_bytes(model), deriv_decoder(model, "compiled")),
+        ]
         for quantization in ("float32", "int8"):
             out = export_model(
                 folder, "ctranslate2", os.path.join(root, f"ct2-{quantization}"), quantization=quantization

@@ -14,6 +14,9 @@ weights, greedy decoding):
 2. `deriv serve` in a child process, with and without `--continuous-batching`, and --clients concurrent clients
    each sending --requests completions one after another: requests/s, new tokens/s and the median latency.
    Without continuous batching the server decodes one request at a time (one `generate()` on one worker thread).
+
+--device (auto: cuda where there is one) and --dtype (auto: bfloat16 on cuda, float32 on the CPU) set where and
+in what the model decodes, in this process and in the server (`deriv serve --device --dtype`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import torch
 
 from ..arguments import integer
+from . import device as dev
 from .decoder import add_shape_arguments, build
 from .report import check_json_path, entry_point
 
@@ -42,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP part")
     parser.add_argument("--threads", type=integer(minimum=1), default=None, help="torch threads")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    dev.add_device_arguments(parser, dtype="the weights' dtype, here and in the server")
     parser.set_defaults(same_weights=False)  # `build` asks; this bench builds Deriv alone
 
 
@@ -65,10 +70,10 @@ def batching_config(args, prompts: list[list[int]]):
 @torch.no_grad()
 def padded_generate(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=model.device)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):  # left padding: every row's last token is at the end
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, device=model.device)
         mask[row, width - len(prompt) :] = 1
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -97,12 +102,13 @@ def measure_batching(args, model) -> list[tuple]:
         "generate_batch": lambda: batch_generate(model, prompts, args.new_tokens, config),
     }
     outputs = {name: run() for name, run in runs.items()}  # warm-up, and the tokens to compare
+    device = model.device.type
     times = {name: [] for name in runs}
     for repeat in range(args.repeats):
         for name in runs if repeat % 2 == 0 else list(runs)[::-1]:
-            start = time.perf_counter()
+            start = dev.clock(device)
             runs[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(dev.clock(device) - start)
     same = sum(a == b for a, b in zip(*outputs.values(), strict=True))
     new = len(prompts) * args.new_tokens
     lengths = sorted(len(p) for p in prompts)
@@ -162,14 +168,34 @@ def print_table(headers: tuple[str, ...], rows: list[tuple]) -> None:
         print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
 
 
+def bench_model(args):
+    """Deriv at the bench's shape, eval mode, on its --device in its --dtype."""
+    device, dtype = dev.of(args)
+    return build("deriv", args).eval().to(device=device, dtype=dtype)
+
+
+def measure_servers(args, model, flags=((), ("--continuous-batching",))) -> dict:
+    """{name: (requests/s, new tokens/s, median latency s)} of `deriv serve` with each of `flags`, on the bench's
+    device and dtype, serving the bench's model."""
+    device, dtype = dev.of(args)
+    on = ("--device", device, "--dtype", dev.dtype_name(dtype))
+    with tempfile.TemporaryDirectory() as folder:
+        served_folder(args, model, folder)
+        texts = served_prompts(args, folder)
+        return {
+            " ".join(("deriv serve", *extra)): measure_server(args, folder, (*extra, *on), texts) for extra in flags
+        }
+
+
 def run(args) -> int:
     check_json_path(args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build("deriv", args).eval()
+    model = bench_model(args)
     print(
         f"Deriv, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, context {args.context}; "
-        f"threads={torch.get_num_threads()}, torch {torch.__version__}\n"
+        f"{dev.device_name(model.device.type)}, {dev.dtype_name(model.dtype)}; threads={torch.get_num_threads()}, "
+        f"torch {torch.__version__}\n"
     )
     batching = measure_batching(args, model)
     print(f"Continuous batching in-process: {batching[0][3]}, medians of {args.repeats}")
@@ -178,13 +204,7 @@ def run(args) -> int:
     results = {"batching": [dict(path=n, tokens_per_s=t, agreement=s) for n, t, s, _ in batching]}
 
     if not args.no_server:
-        with tempfile.TemporaryDirectory() as folder:
-            served_folder(args, model, folder)
-            texts = served_prompts(args, folder)
-            served = {
-                "deriv serve": measure_server(args, folder, (), texts),
-                "deriv serve --continuous-batching": measure_server(args, folder, ("--continuous-batching",), texts),
-            }
+        served = measure_servers(args, model)
         print(
             f"\nServing: {args.clients} concurrent clients x {args.requests} completions, {args.new_tokens} new "
             f"tokens each (greedy), prompts of 8 to {longest_prompt(args)} tokens"

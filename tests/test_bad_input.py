@@ -16,6 +16,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from deriv_lm.cli import main
 
@@ -242,6 +243,12 @@ TRAIN_FLAGS = [
     ["--mixed-precision", "fp8"],
     ["--report-to", "wandb"],
     ["--lr-schedule", "linear"],
+    ["--pad-vocab-size-to-multiple-of", "0"],
+    ["--pad-vocab-multiple", "-64"],
+    ["--pad-vocab-multiple", "1.5"],
+    ["--loss-implementation", "fused"],
+    ["--loss-chunk-size", "0"],
+    ["--loss-chunk-size", "-1"],
     ["--hidden-act", "swishy"],
     ["--preset", "huge"],
     ["--seed", "-1"],
@@ -419,6 +426,32 @@ BENCH_CASES = [
     ["bench", "inference", "--kv-positions", "999"],
     ["bench", "inference", "--prompt", "200", "--new-tokens", "100"],
     ["bench", "inference", "--paths", "eager"],
+    # the device and the GPU check (issue 42)
+    ["bench", "decoder", "--device", "tpu"],
+    ["bench", "gpu", "--device", "tpu"],
+    ["bench", "inference", "--dtype", "fp8"],
+    ["bench", "serving", "--dtype", "half", "--no-server"],
+    ["bench", "training", "--dtype", "int4"],
+    ["bench", "inference", "--compile-backend", "tvm"],
+    ["bench", "gpu", "--json", "{emptydir}"],
+    ["bench", "gpu", "--json", "{missing_dir}/sub/gpu.json"],
+    ["bench", "gpu", "--dry-run", "--device", "cuda"],
+    ["bench", "training", "--peer", "--batch", "0"],
+    ["bench", "training", "--peer", "--batch", "100000"],
+    ["bench", "training", "--peer", "--context", "1"],
+    ["bench", "training", "--peer", "--context", "1000000"],
+    ["bench", "training", "--peer", "--layers", "0"],
+    ["bench", "training", "--peer", "--layers", "100000"],
+    ["bench", "training", "--peer", "--steps", "0"],
+    ["bench", "training", "--peer", "--presets", "gpt2-1b"],
+    ["bench", "training", "--peer", "--compile-backend", "tvm"],
+    ["bench", "training", "--peer", "--scaling"],
+]
+# `--device cuda` where torch sees no GPU (CI's machines; on one with a GPU these would run, so they are left out)
+NO_CUDA_CASES = [
+    ["bench", kind, "--device", "cuda", *extra]
+    for kind, extra in [("decoder", []), ("inference", []), ("serving", ["--no-server"]), ("training", [])]
+    + [("training", ["--peer"]), ("training", ["--scaling"]), ("gpu", [])]
 ]
 TOP_CASES = [[], ["bogus"], ["train"], ["tokenizer"], ["picture"]]
 
@@ -476,6 +509,7 @@ CASES = (
     + HUB_CASES
     + VIZ_CASES
     + BENCH_CASES
+    + (NO_CUDA_CASES if not torch.cuda.is_available() else [])
     + TOP_CASES
     + FOUND_CASES
 )

@@ -222,7 +222,7 @@ def test_every_benchmarks_parsed_arguments_can_be_sent_to_a_spawned_process():
 
     from deriv_lm.cli import parse_args
 
-    for kind in ("decoder", "seq2seq", "tokenizer", "training", "serving", "inference"):
+    for kind in ("decoder", "seq2seq", "tokenizer", "training", "serving", "inference", "gpu"):
         args = parse_args(["bench", kind])
         assert pickle.loads(pickle.dumps(args)).kind == kind
 

@@ -229,3 +229,21 @@ def test_gguf_writes_llamas_tensors_with_q_and_k_interleaved(folders, tmp_path):
                 assert (written[head * d_k + 2 * j] == weight[head * d_k + j]).all(), (name, head, j)
                 assert (written[head * d_k + 2 * j + 1] == weight[head * d_k + d_k // 2 + j]).all(), (name, head, j)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no partial file left behind
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_bench_runtimes_times_the_decode_loop_beside_generate_and_the_runtimes(tmp_path):
+    """`deriv bench runtimes` at a tiny shape: a row for generate(), one for Deriv's compiled decode loop, one per
+    CTranslate2 type, each with a rate and its share of the floor."""
+    import json
+
+    from deriv_lm.cli import main
+
+    out = tmp_path / "runtimes.json"
+    argv = ["bench", "runtimes", "--layers", "1", "--hidden", "32", "--heads", "2", "--context", "64", "--vocab", "300"]
+    argv += ["--prompt", "4", "--new-tokens", "24", "--repeats", "1", "--threads", "1", "--json", str(out)]
+    assert main(argv) == 0
+    rows = {(r["runtime"], r["weights"]): r for r in json.loads(out.read_text())["rows"]}
+    assert {("Deriv generate()", "float32"), ("Deriv decode loop", "float32"), ("CTranslate2", "int8")} <= set(rows)
+    assert all(r["decode_tokens_per_s"] > 0 and 0 < r["percent_of_floor"] for r in rows.values())
