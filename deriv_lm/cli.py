@@ -113,7 +113,7 @@ COMMANDS = (
     Command(
         "bench",
         "benchmark Deriv against Hugging Face's peers at the same size: decoder, seq2seq, tokenizer, training, "
-        "inference, serving",
+        "inference, serving, runtimes, ablation; `deriv bench gpu` runs the GPU check",
         "bench.commands:add_arguments",
     ),
     # the spellings before `deriv bench KIND`
