@@ -372,3 +372,29 @@ def test_the_accelerators_branch_compiles_into_one_graph(monkeypatch):
 def test_a_request_past_the_position_table_is_named_before_decoding(models):
     with pytest.raises(ValueError, match="Position 96 is past the end of the position table"):
         models["paper"].generate(prompt(1, 90), max_new_tokens=10, eos_token_id=None, decode_loop="eager", **GREEDY)
+
+
+class LeavesAfter(StoppingCriteria):
+    """A client that leaves: asked by the loop every block (not every token), it says stop from its second call."""
+
+    checked_every_block = True
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return torch.full((input_ids.shape[0],), self.calls > 1, dtype=torch.bool)
+
+
+def test_a_block_checked_criterion_stops_the_loop_between_blocks(models):
+    """`deriv serve`'s cancellation: the loop asks it before each block of CHECK_EVERY tokens and stops there; the
+    tokens made until then are generate()'s."""
+    model, ids = models["gpt2"], prompt()
+    leaves = LeavesAfter()
+    got = model.generate(
+        ids, max_new_tokens=60, eos_token_id=None, stopping_criteria=[leaves], decode_loop="eager", **GREEDY
+    )
+    expected = model.generate(ids, max_new_tokens=60, eos_token_id=None, **GREEDY)
+    assert got.shape[1] == ids.shape[1] + 1 + loop_module.CHECK_EVERY  # the first token, then one block
+    assert torch.equal(got, expected[:, : got.shape[1]])
