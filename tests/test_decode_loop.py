@@ -203,31 +203,24 @@ def exact_pair_distribution(model, ids, warpers) -> dict:
     return joint
 
 
-def test_sampling_draws_from_generates_distribution(models):
-    """Two sampled tokens for 4000 copies of one prompt: the frequencies of each pair against the exact p(t1, t2)
-    that generate()'s processors define (top-k 3, temperature 0.7): total variation under 0.05 (its expected value
-    at this sample size is about 0.02; a wrong temperature, an off-by-one position or a stale cache moves it
-    past 0.1)."""
-    model, ids = models["paper"], prompt(1, 5)
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(3)])
+def sampled_pair_distance(model, ids, temperature: float, top_k: int, loop: str) -> float:
+    """Two sampled tokens for 4000 copies of one prompt through the loop: the total variation between the
+    frequencies of each pair and the exact p(t1, t2) that generate()'s processors define (pairs outside its
+    support count in full)."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
     exact = exact_pair_distribution(model, ids, warpers)
-    torch.manual_seed(0)
-    batch = ids.repeat(4000, 1)
-    out = model.generate(
-        batch,
-        max_new_tokens=2,
-        do_sample=True,
-        temperature=0.7,
-        top_k=3,
-        eos_token_id=None,
-        pad_token_id=0,
-        decode_loop="eager",
-    )
+    kwargs = {"do_sample": True, "temperature": temperature, "top_k": top_k, "eos_token_id": None, "pad_token_id": 0}
+    out = model.generate(ids.repeat(4000, 1), max_new_tokens=2, decode_loop=loop, **kwargs)
     pairs = [tuple(row) for row in out[:, -2:].tolist()]
     counts = {pair: pairs.count(pair) / len(pairs) for pair in set(pairs)}
-    assert set(counts) <= set(exact)
-    distance = 0.5 * sum(abs(counts.get(pair, 0.0) - p) for pair, p in exact.items())
-    assert distance < 0.05
+    return 0.5 * sum(abs(counts.get(pair, 0.0) - exact.get(pair, 0.0)) for pair in set(counts) | set(exact))
+
+
+def test_sampling_draws_from_generates_distribution(models):
+    """Sampling through the loop with top-k 3 and temperature 0.7: total variation under 0.05 from the exact
+    distribution (0.025 here; the same samples measured against temperature 1.0's distribution give 0.08)."""
+    torch.manual_seed(0)
+    assert sampled_pair_distance(models["paper"], prompt(1, 5), 0.7, 3, "eager") < 0.05
 
 
 class Never(StoppingCriteria):
@@ -338,23 +331,8 @@ def test_compiled_loop_gives_generates_greedy_tokens(kind):
 
 @compiles
 def test_compiled_loop_samples_generates_distribution():
-    model, ids = tiny("paper", seed=2), prompt(1, 5, seed=6)
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(4)])
-    exact = exact_pair_distribution(model, ids, warpers)
     torch.manual_seed(1)
-    out = model.generate(
-        ids.repeat(4000, 1),
-        max_new_tokens=2,
-        do_sample=True,
-        temperature=0.8,
-        top_k=4,
-        eos_token_id=None,
-        pad_token_id=0,
-        decode_loop="compiled",
-    )
-    pairs = [tuple(row) for row in out[:, -2:].tolist()]
-    counts = {pair: pairs.count(pair) / len(pairs) for pair in set(pairs)}
-    assert 0.5 * sum(abs(counts.get(pair, 0.0) - p) for pair, p in exact.items()) < 0.05
+    assert sampled_pair_distance(tiny("paper", seed=2), prompt(1, 5, seed=6), 0.8, 4, "compiled") < 0.05
 
 
 @compiles
