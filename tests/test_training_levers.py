@@ -366,7 +366,7 @@ class DeviceReads(TrainerCallback):
             name = frame.f_code.co_filename if frame is not None else ""
             # the loader's collator checks the ids of the batch it builds, a host tensor not yet on any device
             host_batch = frame is not None and frame.f_code.co_name == "collate"
-            if name.startswith(REPO) and "/tests/" not in name and "/.venv/" not in name and not host_batch:
+            if name.startswith(REPO) and "/tests/" not in name and "site-packages" not in name and not host_batch:
                 self.count += 1
             return method(tensor, *args, **kwargs)
 
