@@ -610,4 +610,7 @@ def test_a_request_that_breaks_the_batching_worker_fails_alone(reference):
 
     restarts, reasons, text = asyncio.run(scenario())
     assert text == reference["completions"][PROMPT]
-    assert restarts == 1 and any(r and "failed" in r for r in reasons), (restarts, reasons)
+    # /health gave a reason while the worker was replaced: "failed (ValueError)" once the worker has recorded its
+    # error, "not running" if the watcher looked between the thread's end and that record (seen under load with
+    # transformers 5.24 and torch 2.15)
+    assert restarts == 1 and any(r and "being restarted" in r for r in reasons), (restarts, reasons)
