@@ -250,9 +250,13 @@ def load(ns: argparse.Namespace, device: str):
         )
         engine = BatchingEngine(model, generation, ContinuousBatchingConfig(**sizes))
     else:
-        if ns.decode_loop:
-            warm_decode_loop(model, generation, ns.decode_loop, folder)
         engine = GenerateEngine(model, generation)
+        if ns.decode_loop:
+            try:  # on the engine's worker thread, where requests will run it (CUDA graphs are recorded per thread)
+                engine.run_on_worker(warm_decode_loop, model, generation, ns.decode_loop, folder)
+            except BaseException:
+                engine.stop()
+                raise
     name = ns.served_model_name or os.path.basename(os.path.normpath(folder))
     return Served(
         name=name,

@@ -12,6 +12,7 @@ import json
 import pytest
 from conftest import SERVED_MESSAGES, ServerThread, cli_error, greedy_numbers_folder, served_reference
 
+from deriv_lm import serve
 from deriv_lm.cli import main
 
 
@@ -60,16 +61,30 @@ def test_deriv_generate_refuses_what_the_loop_cannot_do(folder, capsys, flags, w
     assert words in line
 
 
-def test_a_folder_setting_the_loop_cannot_run_is_one_line(folder, tmp_path, capsys):
-    """A generation_config.json asking for something the loop does not do (here n-gram blocking) is named."""
+@pytest.fixture
+def ngram_folder(folder, tmp_path):
+    """The folder with a generation_config.json asking for something the loop does not do: n-gram blocking."""
     import shutil
 
     copy = tmp_path / "ngram"
     shutil.copytree(folder, copy)
     config = json.loads((copy / "generation_config.json").read_text())
     (copy / "generation_config.json").write_text(json.dumps({**config, "no_repeat_ngram_size": 2}))
-    line = cli_error(["generate", str(copy), "5 3", "--decode-loop", "eager"], capsys)
+    return copy
+
+
+def test_a_folder_setting_the_loop_cannot_run_is_one_line(ngram_folder, capsys):
+    line = cli_error(["generate", str(ngram_folder), "5 3", "--decode-loop", "eager"], capsys)
     assert "NoRepeatNGramLogitsProcessor" in line and "--decode-loop" in line
+
+
+def test_deriv_serve_refuses_such_a_folder_before_it_listens(ngram_folder, capsys):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
+    sock = serve.listen("127.0.0.1", 0)  # a free port
+    port = str(sock.getsockname()[1])
+    sock.close()
+    line = cli_error(["serve", str(ngram_folder), "--port", port, "--decode-loop", "eager"], capsys)
+    assert "--decode-loop cannot serve" in line and "NoRepeatNGramLogitsProcessor" in line
 
 
 def test_deriv_serve_refuses_the_loop_with_continuous_batching(folder, capsys):

@@ -58,6 +58,10 @@ class GenerateEngine:
         self.generation_config = generation_config
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deriv-generate")
 
+    def run_on_worker(self, function, *args):
+        """`function(*args)` on the thread that runs every request, waited for; its result or its exception."""
+        return self._pool.submit(function, *args).result()
+
     def submit(self, job: Job, sampling: dict, seed: int | None = None, processors=None) -> None:
         """Queue `job`; `sampling` holds GenerationConfig fields (do_sample, temperature, top_p), `processors` the
         presence and frequency penalties."""
