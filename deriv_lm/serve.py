@@ -26,7 +26,7 @@ import os
 import signal
 import time
 
-from .arguments import BODY_SECONDS, MAX_HEADER_BYTES, integer, model_folder, number
+from .arguments import BODY_SECONDS, MAX_HEADER_BYTES, integer, invalid_text, model_folder, number
 from .errors import MissingFile, UsageError
 
 
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=integer(minimum=1, maximum=65535), default=8000)
     parser.add_argument(
         "--served-model-name",
+        type=served_name,
         default=None,
         help="the model's id in requests and replies (default: the folder's name, never its full path)",
     )
@@ -143,13 +144,23 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def served_name(text: str) -> str:
+    """An argparse type: the model's id in requests and replies. Every reply carries it as JSON text, so bytes that
+    are not UTF-8 (`$'\\xff'` in a shell, a surrogate in Python's argv) would make every reply, /health too, fail
+    to encode: refused as the line is parsed, as are an empty id and a path."""
+    why = invalid_text(text)
+    if why:
+        raise argparse.ArgumentTypeError(f"not valid text: {why}; give the id clients will send as `model`")
+    if not text.strip() or text.startswith("/"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give the id clients will send as `model` (not empty, not a path); leave it out for the "
+            "folder's name"
+        )
+    return text
+
+
 def check_flags(ns: argparse.Namespace) -> None:
     """Flags that cannot do what they say, refused before anything starts."""
-    if ns.served_model_name is not None and (not ns.served_model_name.strip() or "/" in ns.served_model_name[:1]):
-        raise UsageError(
-            f"--served-model-name {ns.served_model_name!r}: give the id clients will send as `model` (not empty, "
-            "not a path); leave it out for the folder's name"
-        )
     sized = [
         flag
         for flag, value in (("--cb-num-blocks", ns.cb_num_blocks), ("--cb-max-batch-tokens", ns.cb_max_batch_tokens))
@@ -318,19 +329,37 @@ def run_server(app, sock, log_level: str = "warning") -> None:
 
 
 def server_config(app, log_level: str = "warning", **options):
-    """uvicorn's settings for both servers: a graceful stop of 5 s, and h11's parser, which bounds the request line
-    and headers (`MAX_HEADER_BYTES`: a larger header block is refused before any route sees it)."""
+    """uvicorn's settings for both servers: a graceful stop of 5 s; h11's parser, which bounds the request line and
+    headers (`MAX_HEADER_BYTES`: a larger header block is refused 431 before any route sees it), in the connection
+    of `serving/connection.py`, which answers what breaks HTTP itself in one log line; and the servers' own log
+    records at --log-level, beside uvicorn's (`log_config`)."""
     import uvicorn
 
+    from .serving.connection import GuardedH11Protocol
+
+    options.setdefault("log_config", log_config(log_level))
     return uvicorn.Config(
         app,
         log_level=log_level,
         timeout_graceful_shutdown=5,
         access_log=log_level in ("info", "debug"),
-        http="h11",
+        http=GuardedH11Protocol,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         **options,
     )
+
+
+def log_config(log_level: str) -> dict:
+    """uvicorn's logging, with the servers' own loggers (`deriv_lm.serve`, `deriv_lm.explore`) on its handler at
+    `log_level`. subtle: without it their records had no handler, and Python's last resort shows warnings and errors
+    only: the INFO line of a client that hangs up mid-body (docs/serving.md) never reached the log."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["deriv_lm"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    return config
 
 
 def check_servable(folder: str | os.PathLike) -> str:

@@ -111,7 +111,19 @@ ROWS = [
     ("JSON array", C, b"[]", 400, None),
     ("JSON number", P, b"5", 400, None),
     ("JSON string", P, b'"hello"', 400, None),
-    ("invalid UTF-8", C, b'{"messages": "\xff\xfe"}', 400, None),
+    # bytes that are not UTF-8: named by the field whose text holds them, or by their offset outside any text
+    ("invalid UTF-8", C, b'{"messages": "\xff\xfe"}', 400, "messages"),
+    (
+        "invalid UTF-8 in a message",
+        C,
+        b'{"messages": [{"role": "user", "content": "7 \xff"}]}',
+        400,
+        "messages.0.content",
+    ),
+    ("invalid UTF-8 in a prompt", P, b'{"prompt": "7 \xc3(", "max_tokens": 4}', 400, "prompt"),
+    ("invalid UTF-8 in a stop", P, b'{"prompt": "7", "stop": ["x", "\xed\xa0\x80"]}', 400, "stop.1"),
+    ("invalid UTF-8 in a field name", P, b'{"prompt": "7", "\xff": 1}', 400, None),
+    ("invalid UTF-8 outside any text", P, b'{"prompt": "7"}\xff', 400, None),
     ("nested 20000 deep", C, b"[" * 20_000 + b"]" * 20_000, 400, None),
     ("trailing garbage", P, b'{"prompt": "7"} x', 400, None),
     ("body over the limit", C, b'{"messages": "' + b"7" * (BODY_LIMIT + 10) + b'"}', 413, None),
@@ -356,8 +368,12 @@ EDGES = [
     ("a trailing slash", "POST", P + "/", COMPLETION, {}, 404, "no such endpoint"),
     ("a trailing slash, chat", "POST", C + "/", CHAT, {}, 404, "no such endpoint"),
     ("a 5000-digit integer", "POST", P, BIG_NUMBER, {}, 400, "a number out of range"),
-    ("invalid UTF-8", "POST", C, b'{"messages": "\xff\xfe"}', {}, 400, "not valid UTF-8"),
+    ("invalid UTF-8", "POST", C, b'{"messages": "\xff\xfe"}', {}, 400, "messages: not valid text: the byte 0xff"),
     ("a 100 KB header", "GET", "/health", None, {"X-Padding": "x" * 100_000}, 431, "over this server's limit"),
+    # larger than h11 buffers at once: refused by the connection, not the app, with the same answer (the client
+    # saw "connection reset" where the header outran the parser)
+    ("a 1 MB header", "GET", "/health", None, {"X-Padding": "x" * 1_000_000}, 431, "over this server's limit"),
+    ("a 3 MB header", "POST", P, COMPLETION, {"X-Padding": "x" * 3_000_000}, 431, "over this server's limit"),
 ]
 
 
@@ -371,6 +387,54 @@ def test_the_edges_refuse_before_any_route(server, reference, what, method, path
     assert words in payload["error"]["message"] and payload["error"]["type"], payload
     assert valid_text(server) == reference["completions"][PROMPT]
     assert "Traceback" not in server.log_tail(10**7)
+
+
+def test_invalid_utf8_names_the_field_and_the_byte(server):
+    status, payload = send(server, C, b'{"messages": [{"role": "user", "content": "7 1 \xff"}]}')
+    assert status == 400, payload
+    assert payload["error"]["message"] == (
+        "messages.0.content: not valid text: the byte 0xff, which is not UTF-8 at character 4"
+    ), payload
+
+
+# Requests the guard refuses before reading their body (a foreign Host, a body not declared JSON, headers over the
+# limit) whose chunked body is then malformed ("zz" is no chunk size).
+EARLY_REFUSALS = [
+    ("a foreign Host", "Host: evil.example:{port}\r\nContent-Type: application/json"),
+    ("a text/plain body", "Host: 127.0.0.1:{port}\r\nContent-Type: text/plain"),
+    ("a 20 KB header", "Host: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nX-Padding: " + "x" * 20_000),
+]
+MALFORMED_CHUNKS = b"zz\r\nhello\r\n0\r\n\r\n"
+
+
+def read_to_the_end(connection) -> bytes:
+    reply = b""
+    while chunk := connection.recv(65536):
+        reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["with the headers", "after the refusal"])
+def test_a_malformed_chunked_body_after_an_early_refusal_is_one_line_in_the_log(server, reference, late):
+    """h11 finds the broken body while the app refuses the request (sent with the headers) or once it has (sent
+    after the answer): either way the client gets a 4xx in the error shape, the log one line and no traceback."""
+    import socket
+
+    for what, head in EARLY_REFUSALS:
+        before = len(server.log_tail(10**8))
+        request = f"POST {P} HTTP/1.1\r\n{head.format(port=server.port)}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+            connection.sendall(request.encode() + (b"" if late else MALFORMED_CHUNKS))
+            if late:
+                time.sleep(0.3)
+                connection.sendall(MALFORMED_CHUNKS)
+            reply = read_to_the_end(connection)
+        status = int(reply.split(b" ", 2)[1])
+        assert 400 <= status < 500 and b'"error"' in reply, (what, reply[:300])
+        log = server.log_tail(10**8)[before:]
+        assert "Traceback" not in log and "Exception" not in log, (what, log[-3000:])
+        assert len(log.strip().splitlines()) <= 1, (what, log[-3000:])
+    assert valid_text(server) == reference["completions"][PROMPT]
 
 
 def open_body(port: int, declared: int, sent: bytes):
@@ -416,6 +480,24 @@ def test_a_slow_body_is_refused_in_time_and_a_hang_up_is_one_quiet_line(folder, 
         assert "Traceback" not in server.log_tail(10**7)
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_hang_up_is_the_one_info_line_the_docs_promise(folder, tmp_path):
+    """docs/serving.md: a client that hangs up mid-body is one line at INFO in the log. In `deriv serve --log-level
+    info` itself (whose logging is uvicorn's), not only in a test's handler: the line had no handler there."""
+    server = ServerProcess(folder, "--log-level", "info", log=tmp_path / "serve.log")
+    try:
+        open_body(server.port, 1000, b'{"prompt": "7').close()
+        line = f"INFO:     POST {P}: the client disconnected before its request arrived"
+        deadline = time.monotonic() + 30
+        while line not in server.log_tail(10**7):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+    finally:
+        assert server.stop() == 0, server.log_tail()
+    log = server.log_tail(10**7)
+    assert log.count("disconnected") == 1 and "Traceback" not in log, log
 
 
 def test_unsupported_routes_are_404_or_405_in_the_error_shape(server, reference):

@@ -9,7 +9,9 @@
   cannot send without the preflight these servers never grant: anything else is 415.
 - **The body arrives in time, and within its size.** A client that declares a body and sends it slowly holds a
   connection open for nothing: past `BODY_SECONDS` it is refused (408). A client that hangs up mid-body is one log
-  line, not a traceback. The header block is bounded by the HTTP parser (`MAX_HEADER_BYTES`, uvicorn's h11).
+  line, not a traceback. The header block is bounded (`MAX_HEADER_BYTES`): 431 here for one that arrived whole, from
+  the connection (`connection.py`) for one that outran uvicorn's h11 parser.
+- **Text is text.** Bytes of the body that are not UTF-8 are refused naming the field whose text holds them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 from typing import Any
 
 from ..arguments import BODY_SECONDS, MAX_HEADER_BYTES
-from .protocol import RequestError
+from .protocol import RequestError, first_invalid_text
 
 
 logger = logging.getLogger("deriv_lm.serve")
@@ -64,12 +66,17 @@ class HostCheck:
 
 
 def header_bytes(scope) -> int:
-    """The size of a request's headers, names and values. h11 refuses a header block over MAX_HEADER_BYTES that
-    arrives in pieces; one that arrives whole is measured here, and refused 431 before any route."""
+    """The size of a request's headers, names and values. h11 stops reading a header block over MAX_HEADER_BYTES
+    that arrives in pieces (431 from `connection.py`); one that arrives whole is measured here, and refused 431
+    before any route."""
     return sum(len(name) + len(value) for name, value in scope.get("headers") or [])
 
 
-def header_refusal(size: int) -> str:
+def header_refusal(size: int | None = None) -> str:
+    """The message of a 431: with the headers' size when they arrived whole (h11 stops reading a larger block that
+    arrives in pieces, `serving/connection.py`: its size is not known)."""
+    if size is None:
+        return f"the request's headers are over this server's limit of {MAX_HEADER_BYTES} bytes"
     return f"the request's headers are {size} bytes, over this server's limit of {MAX_HEADER_BYTES}"
 
 
@@ -126,7 +133,7 @@ async def read_json(request, limit: int, seconds: float = BODY_SECONDS) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise RequestError(f"the request body is not valid UTF-8 (byte {error.start})") from None
+        raise not_utf8(body, error) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
@@ -135,6 +142,20 @@ async def read_json(request, limit: int, seconds: float = BODY_SECONDS) -> Any:
         raise RequestError("the request body is not valid JSON: it is nested too deeply") from None
     except ValueError:  # Python's limit on the digits of an integer (4300 by default)
         raise RequestError("the request body holds a number out of range: more digits than any field takes") from None
+
+
+def not_utf8(body: bytes, error: UnicodeDecodeError) -> RequestError:
+    """The 400 for a body that is not UTF-8, naming the field whose text holds the bad bytes when the body is JSON
+    around them (`messages.1.content: not valid text: the byte 0xff, which is not UTF-8 at character 2`), else
+    the byte's offset in the body."""
+    try:
+        found = first_invalid_text(json.loads(body.decode("utf-8", errors="surrogateescape")))
+    except (ValueError, RecursionError):  # not JSON either: the byte is all there is to say
+        found = None
+    if found is None:
+        return RequestError(f"the request body is not valid UTF-8 (byte {error.start})")
+    param, why = found
+    return RequestError(f"{param or 'the request body'}: not valid text: {why}", param=param)
 
 
 def gone(request) -> None:
