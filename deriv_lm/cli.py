@@ -181,21 +181,78 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _interrupt_in(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (or Terminated) `error` is or was raised while handling, if any. subtle: a signal that
+    lands inside an import, or in a library's cleanup, can surface as another exception with the interrupt as its
+    context: a ModuleNotFoundError as `deriv quantize` imported torchao was one. It is still Ctrl-C."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _swallowed_interrupt(unraisable) -> None:
+    """sys.unraisablehook while a command runs. subtle: Python drops an exception raised in a `__del__` (or a weakref
+    callback), printing "Exception ignored in ...": a Ctrl-C whose KeyboardInterrupt was raised there (`deriv eval`:
+    "Exception ignored in Group.__del__") was lost and the command carried on to exit 0. The signal is raised again,
+    a moment later, from another thread: raised here, in the main thread, it would be handled in this hook and lost
+    again; from there it is handled at the next line the main thread runs once the finalizer is done (should it land
+    in another finalizer, this hook sends it on once more). Anything else goes to Python's own hook."""
+    stop = unraisable.exc_value
+    if isinstance(stop, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
+        try:
+            threading.Thread(target=_interrupt_main_soon, args=(signum,), daemon=True).start()
+            return
+        except RuntimeError:  # the interpreter is shutting down: nothing is left to stop
+            pass
+    sys.__unraisablehook__(unraisable)
+
+
+def _interrupt_main_soon(signum: int) -> None:
+    import _thread
+    import time
+
+    time.sleep(0.05)
+    _thread.interrupt_main(signum)
+
+
+@contextmanager
+def _interrupts_not_swallowed():
+    previous, sys.unraisablehook = sys.unraisablehook, _swallowed_interrupt
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def main(argv: list[str] | None = None) -> int:
     top = build_parser().parse_args(argv)  # the standard library only: --help, a missing or unknown command
     debug = top.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0")
     if not (top.verbose or os.environ.get("DERIV_VERBOSE", "") not in ("", "0")):
         _quiet_libraries()
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), _interrupts_not_swallowed():
             return _run(top, debug)
-    except KeyboardInterrupt as stop:
-        if debug:
+    except BaseException as caught:
+        stop = _interrupt_in(caught)
+        if stop is None or debug:
             raise
-        name = "SIGTERM" if isinstance(stop, Terminated) else "SIGINT"
-        # on a new line: Ctrl-C often lands mid-line (a streamed reply, a progress bar, the terminal's ^C)
-        print(f"\nderiv: interrupted ({name})", file=sys.stderr)
-        return INTERRUPTED
+        line = f"deriv: interrupted ({'SIGTERM' if isinstance(stop, Terminated) else 'SIGINT'})"
+        if stop.args and isinstance(stop.args[0], str):  # what is true of the output, when a command says
+            line += f"; {stop.args[0]}"
+        del stop
+    # subtle: here, outside the `except`, the traceback is gone and with it the frames it kept: a progress bar one
+    # of them held open closes now (and prints its last line) before the one line, not after it
+    import gc
+
+    gc.collect()
+    # on a new line: Ctrl-C often lands mid-line (a streamed reply, a progress bar, the terminal's ^C)
+    print(f"\n{line}", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _quiet_libraries() -> None:
@@ -229,7 +286,7 @@ def _run(top: argparse.Namespace, debug: bool) -> int:
         from .arguments import command_name
         from .errors import bad_input, missing_extra
 
-        if debug:
+        if debug or _interrupt_in(caught) is not None:
             raise
         error = bad_input(caught) or missing_extra(caught, command_name(args))
         if error is None:
@@ -254,7 +311,8 @@ def _precheck(top: argparse.Namespace) -> int:
         getattr(importlib.import_module(f"deriv_lm.{module}"), function)(top.rest)
     except Exception as caught:
         error = bad_input(caught)
-        if error is None or top.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0"):
+        debug = top.debug or os.environ.get("DERIV_DEBUG", "") not in ("", "0")
+        if error is None or _interrupt_in(caught) is not None or debug:
             raise
         print(f"deriv: error: {one_line(error)}", file=sys.stderr)
         return 2

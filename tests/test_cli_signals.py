@@ -9,6 +9,7 @@ same moment on any machine however loaded. A few cheap checks run in this proces
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import signal
@@ -142,6 +143,128 @@ def test_debug_shows_the_traceback_of_an_interrupt(monkeypatch):
     interrupted_bench(monkeypatch, ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         main(["--debug", "bench", "training", "--steps", "1"])
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising KeyboardInterrupt for the test, whoever started pytest (AS_FROM_A_TERMINAL)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_in_a_finalizer_still_stops_the_command(monkeypatch, capsys, ctrl_c_raises):
+    """Python drops an exception raised in a `__del__`: a Ctrl-C that landed in one (`deriv eval`, "Exception
+    ignored in Group.__del__") was lost, and eval carried on to exit 0."""
+    from deriv_lm.inference import commands
+
+    carried_on = []
+
+    class Group:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the KeyboardInterrupt is raised here, inside the finalizer
+
+    def run_eval(args):
+        Group()  # made and dropped: its __del__ runs at once
+        for _ in range(100):
+            time.sleep(0.01)
+        carried_on.append(True)
+        return 0
+
+    monkeypatch.setattr(commands, "run_eval", run_eval)
+    assert main(["eval", str(ROOT / "tests" / "data" / "numbers_lm")]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "deriv: interrupted (SIGINT)", err
+    assert carried_on == []
+
+
+@pytest.mark.parametrize("module", ["deriv_no_such_module", "torchao.quantization"])
+def test_ctrl_c_inside_an_import_is_still_ctrl_c(module, monkeypatch, capsys):
+    """A Ctrl-C that lands inside an import can surface as a ModuleNotFoundError whose context is the interrupt
+    (`deriv quantize` importing torchao): one line and 130, not a bug's traceback, nor "needs the quantize extra"."""
+    from deriv_lm.convert import commands
+
+    for name in [n for n in sys.modules if n.startswith("torchao.")] + ["torchao"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if torchao's import had been cut short
+
+    def run_quantize(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            importlib.import_module(module)
+
+    monkeypatch.setattr(commands, "run_quantize", run_quantize)
+    assert main(["quantize", str(ROOT / "tests" / "data" / "numbers_lm"), "--out", "unused"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "deriv: interrupted (SIGINT)", err
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(
+        "".join(f"The transformer attends to token {i}. Attention is all you need.\n\n" for i in range(50))
+    )
+    return path
+
+
+def tokenizer_train(corpus: Path, out: Path, *flags: str) -> int:
+    return main(["tokenizer", "train", "--files", str(corpus), "--out", str(out), "--vocab-size", "300", *flags])
+
+
+def test_ctrl_c_in_tokenizer_training_prints_nothing_after_its_line(monkeypatch, capsys, corpus, tmp_path):
+    """A Ctrl-C while the corpus is read: the reading bar (held open by a frame of the traceback) printed its last
+    line after `deriv: interrupted`."""
+    from deriv_lm.tokenization import bpe
+
+    real = bpe.byte_level_tokenizer
+
+    class Interrupted:
+        def __init__(self, model):
+            self.tokenizer = real(model)
+
+        def train_from_iterator(self, texts, trainer):
+            next(texts), next(texts)  # reading the corpus, its bar open
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(bpe, "byte_level_tokenizer", Interrupted)
+    assert tokenizer_train(corpus, tmp_path / "tok") == 130
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines[-1] == "deriv: interrupted (SIGINT)", err
+    assert not (tmp_path / "tok").exists()
+
+
+def test_ctrl_c_before_the_tokenizer_is_written_leaves_no_folder(monkeypatch, capsys, corpus, tmp_path):
+    """Characters per token were measured after the folder was written: a Ctrl-C there said "interrupted" of a
+    tokenizer written whole. They are measured first now, and a Ctrl-C there leaves no folder."""
+    from deriv_lm.tokenization import commands
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "characters_per_token", ctrl_c)
+    assert tokenizer_train(corpus, tmp_path / "tok", "--no-progress") == 130
+    assert capsys.readouterr().err.strip() == "deriv: interrupted (SIGINT)"
+    assert not (tmp_path / "tok").exists()
+
+
+def test_ctrl_c_once_the_tokenizer_is_in_place_says_it_was_written(monkeypatch, capsys, corpus, tmp_path):
+    """The folder swapped in, the Ctrl-C after: the line says what is true, that the tokenizer was written whole."""
+    from deriv_lm.tokenization import commands
+
+    real = commands.save_tokenizer
+
+    def save_then_ctrl_c(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "save_tokenizer", save_then_ctrl_c)
+    out = tmp_path / "tok"
+    assert tokenizer_train(corpus, out, "--no-progress") == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"deriv: interrupted (SIGINT); the tokenizer was written whole to {out} first"
+    assert captured.out == "" and (out / "tokenizer.json").is_file()
 
 
 # ---- in a process of its own: the real signal -------------------------------------------------------------------

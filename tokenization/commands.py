@@ -74,14 +74,31 @@ def run_train(args: argparse.Namespace) -> int:
     corpus = corpus_from_args(args)
     special = special_tokens_with(args.special_token)
     tokenizer, summary = train_bpe(corpus, args.vocab_size, special, progress=not args.no_progress)
-    save_tokenizer(tokenizer, args.out, model_max_length=args.model_max_length)
+    # measured before the folder is written, so that writing it is the last thing the command does: a Ctrl-C while
+    # this ran after it once said "interrupted" of a tokenizer written whole
     ratio = characters_per_token(to_transformers(tokenizer), _sample(corpus, 1.0))
-    print(
-        f"tokenizer: {summary.vocab_size} ids | corpus {summary.characters / 1e6:.2f} M characters in "
-        f"{summary.documents} documents ({corpus.description}) | {ratio:.2f} characters per token | "
-        f"{summary.seconds:.2f} s ({summary.megabytes_per_second:.1f} MB/s) -> {args.out}"
-    )
+    before = _stamp(args.out)
+    try:
+        save_tokenizer(tokenizer, args.out, model_max_length=args.model_max_length)
+        print(
+            f"tokenizer: {summary.vocab_size} ids | corpus {summary.characters / 1e6:.2f} M characters in "
+            f"{summary.documents} documents ({corpus.description}) | {ratio:.2f} characters per token | "
+            f"{summary.seconds:.2f} s ({summary.megabytes_per_second:.1f} MB/s) -> {args.out}"
+        )
+    except KeyboardInterrupt as stop:
+        if _stamp(args.out) in (None, before):
+            raise  # the new folder was not put in place: "interrupted" is the whole truth
+        raise type(stop)(f"the tokenizer was written whole to {args.out} first") from None
     return 0
+
+
+def _stamp(folder: str) -> tuple[int, int] | None:
+    """The identity of a folder's tokenizer.json: a new one (the folder swapped in whole) has another inode."""
+    try:
+        found = os.stat(os.path.join(folder, "tokenizer.json"))
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns
 
 
 def _load(folder: str):
