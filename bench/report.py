@@ -48,12 +48,22 @@ def markdown_table(headers: list[str], rows: list[list], digits: int = 1) -> Non
 
 
 def check_json_path(path: str | None, flag: str = "--json") -> None:
-    """Refuse an output file that cannot be written, before minutes (or hours) of measuring, not after: its folder
-    does not exist, or the path is a folder."""
-    if path and os.path.isdir(path):
+    """Refuse an output file that cannot be written, before minutes (or hours) of measuring, not after: no name
+    (`--json ''` measured for 42 s and wrote nothing), a folder, a folder that does not exist or is a file, a
+    folder or file this user may not write."""
+    if path is None:
+        return
+    if not path.strip():
+        raise UsageError(f"{flag} {path!r}: give the name of the file to write")
+    if os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder; give the file to write, such as {os.path.join(path, 'x')}")
-    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise MissingFile(f"{flag} {path}: the folder {os.path.dirname(path) or '.'} does not exist")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        what = "is a file, not a folder" if os.path.exists(parent) else "does not exist"
+        raise MissingFile(f"{flag} {path}: the folder {os.path.dirname(path) or '.'} {what}")
+    target = path if os.path.exists(path) else parent
+    if not os.access(target, os.W_OK):
+        raise UsageError(f"{flag} {path}: {'the file' if target == path else 'its folder'} is not writable")
 
 
 def entry_point(doc: str, add_arguments, run):

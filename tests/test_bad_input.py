@@ -480,6 +480,9 @@ FOUND_CASES = [
     ["chat", "{lm_escaping_template}"],
     ["train", "sft", "--init-from", "{lm_escaping_template}", "--files", "{chats}", "--output-dir", OUT]
     + ["--max-steps", "1", "--no-progress", "--cpu"],
+    ["bench", "gpu", "--dry-run", "--json", ""],  # measured for 42 s, exited 0 and wrote nothing
+    ["bench", "gpu", "--dry-run", "--json", "{a_file}/gpu.json"],
+    ["bench", "decoder", "--json", " "],
 ]
 
 # Text that is not valid Unicode, at every command-line entry point for text: a byte that is not UTF-8 (`$'\xff'`
@@ -495,6 +498,9 @@ TEXT_CASES = [
     ["picture", "tokens", "{lm}", "\udcff"],
     ["picture", "temperature", "{lm}", "\ud800"],
     ["tokenizer", "show", "{tok}", "\udcff"],
+    # the model's id in every reply: such bytes made every reply, /health too, a 500 with a traceback
+    ["serve", "{lm}", "--served-model-name", "model-\udcff"],
+    ["serve", "{lm}", "--served-model-name", "\ud800"],
 ]
 
 CASES = (
@@ -574,6 +580,26 @@ def test_text_that_is_not_unicode_is_named_as_such(case, paths, capsys):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert status == 2 and "not valid text: " in line, line
     assert ("the byte 0xff, which is not UTF-8" in line) or ("a lone surrogate (U+D" in line), line
+
+
+# Rows whose one line must name the flag at fault.
+FLAG_CASES = [
+    (["serve", "{lm}", "--served-model-name", "model-\udcff"], "--served-model-name"),
+    (["serve", "{lm}", "--served-model-name", "\ud800"], "--served-model-name"),
+    (["bench", "gpu", "--dry-run", "--json", ""], "--json"),
+    (["bench", "gpu", "--dry-run", "--json", "{a_file}/gpu.json"], "--json"),
+    (["bench", "decoder", "--json", " "], "--json"),
+]
+
+
+@pytest.mark.parametrize("case, flag", FLAG_CASES, ids=[case_id(c[0]) for c in FLAG_CASES])
+def test_the_line_names_the_flag(case, flag, paths, capsys):
+    try:
+        status = main([arg.format(**paths) for arg in case])
+    except SystemExit as stop:
+        status = stop.code
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and line.startswith("deriv: error: ") and flag in line, line
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])
