@@ -18,6 +18,7 @@ import torch
 from ..errors import MissingFile, UsageError, refused_as_usage
 from ..folder.atomic import atomic_directory
 from ..folder.load import load_weights, read_folder
+from ..folder.remote_code import check_tokenizer_code
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
 from . import gpt2, llama, marian
 
@@ -114,8 +115,9 @@ def native_tokenizer_names(source: str, target_dir: str) -> None:
 def _carry_tokenizer_and_generation(source: str, target_dir: str, model, padding_side: str | None = None) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
+    check_tokenizer_code(source, consent=None)  # a tokenizer of the folder's own code: refused, never asked about
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise MissingFile(f"{source} has no tokenizer that transformers can load: {error}") from error
     # transformers builds one of special tokens alone from a folder without tokenizer files

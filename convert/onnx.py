@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..folder.atomic import atomic_directory
+from ..folder.remote_code import check_tokenizer_code
 from .folders import _refuse_existing, native_gpt2
 
 
@@ -38,6 +39,7 @@ def export_onnx(folder: str | os.PathLike, out: str | os.PathLike) -> str:
     from transformers import AutoTokenizer
 
     _refuse_existing(out)
+    check_tokenizer_code(folder, consent=None)  # a tokenizer of the folder's own code: refused, never asked about
     try:
         import onnx  # noqa: F401  (the graph's format)
         import onnxscript  # noqa: F401  (torch's exporter needs it)
@@ -62,7 +64,7 @@ def export_onnx(folder: str | os.PathLike, out: str | os.PathLike) -> str:
             verbose=False,
         )
         native.config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(folder).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(folder, trust_remote_code=False).save_pretrained(tmp)
     return str(out)
 
 

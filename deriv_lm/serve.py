@@ -243,9 +243,11 @@ def load(ns: argparse.Namespace, device: str):
     from .folder.load import load_folder
     from .serving.app import Served
     from .serving.engines import BatchingEngine, GenerateEngine
+    from .tokenization.chat_template import check_template_source
 
     folder = check_servable(ns.folder)
     loaded = load_folder(folder, seq2seq=False)
+    check_template_source(loaded.tokenizer.chat_template, folder)  # {% include %} and the like: refused now
     model = loaded.model
     if ns.dtype != "auto":
         model = model.to(getattr(torch, ns.dtype))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MissingFile, UsageError
+from .remote_code import check_tokenizer_code
 
 
 # Folders and files an export keeps for training or resuming, never uploaded: optimizer states, the
@@ -123,6 +124,7 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
         raise MissingFile(f"{folder}: no such model folder")
     if local:  # the type as config.json says it, before any class (or code) is chosen by it
         check_model_type(folder, read_folder(folder).config.get("model_type"), trust_remote_code=trust_remote_code)
+        check_tokenizer_code(folder, trust_remote_code)  # a tokenizer of its own code: refused, not replaced
 
     def unloadable(error: Exception) -> UsageError:  # a corrupt or foreign folder fails in many ways
         hint = "" if trust_remote_code else "; if it is not Deriv's and you trust its code, pass --trust-remote-code"

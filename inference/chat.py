@@ -2,7 +2,9 @@
 
 Each turn renders the whole conversation with the template (`add_generation_prompt=True`), so the model reads
 what it was trained on, and generates until `<eos>` ends the assistant's turn. What the user types is text:
-a typed `<eos>` is five characters, not the control token (`sanitize_control_tokens`).
+a typed `<eos>` is five characters, not the control token (`sanitize_control_tokens`). The template is rendered
+the one way Deriv renders a folder's template (`tokenization/chat_template.py`'s `render_chat`): within a budget,
+so a template that would not end, or fails, is one line naming the folder.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from typing import TextIO
 
 from ..arguments import invalid_text
+from ..tokenization.chat_template import render_chat
 from .sampling import loop_refusals
 
 
@@ -20,9 +23,10 @@ RESET = "/reset"
 class Conversation:
     """The messages so far, system message first; old turns are dropped from the front when the context is full."""
 
-    def __init__(self, system: str | None = None):
+    def __init__(self, system: str | None = None, where: str = "the folder"):
         self.system = [{"role": "system", "content": system}] if system else []
         self.turns: list[dict] = []
+        self.where = where  # the folder, named when its template fails
 
     @property
     def messages(self) -> list[dict]:
@@ -33,8 +37,10 @@ class Conversation:
 
     def ids(self, tokenizer) -> list[int]:
         """The conversation as the model reads it, ending in the `<|assistant|>` header it answers after."""
-        return tokenizer.apply_chat_template(
+        return render_chat(
+            tokenizer,
             self.messages,
+            self.where,
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,

@@ -10,7 +10,7 @@ from ..arguments import MAX_BEAMS, integer, model_folder, number, plain_text
 from ..data.corpus import add_corpus_arguments, corpus_from_args
 from ..errors import UsageError
 from ..folder.load import load_folder
-from ..tokenization.bpe import check_chat_template
+from ..tokenization.chat_template import check_chat_template
 from .chat import RESET, Conversation, chat
 from .sampling import add_sampling_arguments, loop_refusals, penalty_processors, sampling_options, wanted_new_tokens
 
@@ -184,7 +184,7 @@ def run_chat(ns: argparse.Namespace) -> int:
     if model.generation_config.eos_token_id is None:
         options["eos_token_id"] = tokenizer.eos_token_id  # the end of the assistant's turn ends the reply
     torch.manual_seed(ns.seed)
-    chat(model, tokenizer, Conversation(ns.system), options, penalty_processors(ns))
+    chat(model, tokenizer, Conversation(ns.system, where=ns.folder), options, penalty_processors(ns))
     return 0
 
 

@@ -72,21 +72,6 @@ def chat_template_with_generation_marks(template: str | None) -> str | None:
     return CHAT_TEMPLATE if template == CHAT_TEMPLATE_WITHOUT_MARKS else template
 
 
-def check_chat_template(tokenizer, where: str) -> None:
-    """Render a one-message conversation with the tokenizer's chat template, in jinja's sandbox as every use does.
-    A template that fails there (one that reaches for Python's internals, which the sandbox stops; a syntax error;
-    a refusal of a user message) is one UsageError naming `where` (the folder), before any conversation is read."""
-    from jinja2 import TemplateError
-
-    probe = [{"role": "user", "content": "hello"}]
-    try:
-        tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
-    except TemplateError as error:
-        why = " ".join(str(error).split())
-        message = f"{where}: its chat template (chat_template.jinja) fails in jinja's sandbox: {why}"
-        raise UsageError(message) from error
-
-
 def special_tokens_with(extra: Iterable[str] = ()) -> list[str]:
     """The fixed special tokens, then `extra` ones (ids 6, 7, ...) in the order given, without repeats."""
     tokens = list(SPECIAL_TOKENS)

@@ -104,10 +104,13 @@ def _stamp(folder: str) -> tuple[int, int] | None:
 def _load(folder: str):
     from transformers import AutoTokenizer
 
+    from ..folder.remote_code import check_tokenizer_code
+
     if not os.path.isdir(folder):
         raise UsageError(f"{folder}: no such tokenizer folder")
+    check_tokenizer_code(folder, consent=None)  # a tokenizer of the folder's own code: refused, never asked about
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as error:  # a corrupt file fails in many ways, all of them "this folder is not usable"
         raise UsageError(f"{folder}: not a tokenizer folder ({' '.join(str(error).split())})") from error
 

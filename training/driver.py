@@ -23,6 +23,7 @@ from accelerate.utils import DistributedType
 
 from ..errors import MissingFile, UsageError
 from ..folder.load import tokenizer_file
+from ..folder.remote_code import check_tokenizer_code
 from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tokens_with, train_bpe
 from .distributed import describe, whole_model
 from .export import add_to_record, export_folder, run_record
@@ -111,6 +112,8 @@ def load_or_train_tokenizer(args, texts, accelerator):
         # subtle: a given folder may keep a tokenizer with no tokenizer.json (an imported OPUS-MT's SentencePiece)
         if given and tokenizer_file(given) is None:
             raise MissingFile(f"No tokenizer.json in {given}")
+        if given:  # a tokenizer that is the folder's own code: refused (folder/remote_code.py), never asked about
+            check_tokenizer_code(given, consent=None)
         if not given and not os.path.exists(os.path.join(folder, "tokenizer.json")):
             progress = args.progress and accelerator.is_main_process and sys.stderr.isatty()  # bars on a terminal only
             tokenizer, summary = train_bpe(texts(), args.vocab_size, special_tokens_with(), progress=progress)
@@ -119,7 +122,7 @@ def load_or_train_tokenizer(args, texts, accelerator):
                 f"tokenizer: {summary.vocab_size} ids from {summary.characters / 1e6:.2f} M characters "
                 f"in {summary.seconds:.2f} s -> {folder}"
             )
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     if len(tokenizer) != args.vocab_size:
         # The model's vocabulary is the tokenizer's; record the size that was used, not the one asked for.
         accelerator.print(

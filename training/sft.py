@@ -28,7 +28,8 @@ from ..data.conversations import default_conversations, hub_conversations, local
 from ..data.packing import LengthGroupedSampler
 from ..errors import MissingExtra, UsageError, require_extra
 from ..modeling_deriv import DerivForCausalLM
-from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks, check_chat_template
+from ..tokenization.bpe import CHAT_TEMPLATE, ROLE_TOKENS, chat_template_with_generation_marks
+from ..tokenization.chat_template import check_chat_template, render_chat
 from .driver import run
 from .lm import LanguageModelTask, fit_context_to_base
 from .task import Outcome, Source, Task, TaskData
@@ -73,7 +74,8 @@ def encode_conversations(rows, tokenizer, context_length: int):
     import datasets
 
     def encode(row):
-        out = tokenizer.apply_chat_template(
+        out = render_chat(  # within a budget: an --init-from folder's template cannot hang the run
+            tokenizer,
             row["messages"],
             return_dict=True,
             return_assistant_tokens_mask=True,
@@ -128,7 +130,7 @@ def replies(model, tokenizer, conversations, max_new_tokens: int) -> list[str]:
     """Greedy replies to each conversation's messages before its last assistant message."""
     out = []
     for messages in conversations:
-        prompt = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, return_tensors="pt")
+        prompt = render_chat(tokenizer, list(messages), add_generation_prompt=True, return_tensors="pt")
         ids = prompt["input_ids"].to(model.device)
         room = model.config.max_position_embeddings - ids.shape[1]
         generated = model.generate(
@@ -377,9 +379,7 @@ def prompts_that_fit(rows, tokenizer, args, reply_tokens: int) -> list[tuple[dic
         if len(shown) == args.samples:
             break
         prompt = row[: max(i for i, m in enumerate(row) if m["role"] == "assistant")]
-        ids = tokenizer.apply_chat_template(
-            list(prompt), add_generation_prompt=True, tokenizer_kwargs={"verbose": False}
-        )
+        ids = render_chat(tokenizer, list(prompt), add_generation_prompt=True, tokenizer_kwargs={"verbose": False})
         if len(ids["input_ids"]) + reply_tokens <= args.max_position_embeddings:
             shown.append(prompt)
     return shown

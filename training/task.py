@@ -100,15 +100,18 @@ class Task:
     def open_init_from(self) -> torch.nn.Module:
         """The --init-from folder's model: this task's model type, its weights read from safetensors only and
         complete (`load_weights`: a pickle is never opened, a missing or misshapen tensor is refused, not drawn
-        at random). The driver calls it first, so a folder that cannot start the run stops it before the data
-        is read or anything is written."""
+        at random), and a tokenizer that is code of the folder's own refused (`folder/remote_code.py`). The driver
+        calls it first, so a folder that cannot start the run stops it before the data is read or anything is
+        written."""
         from ..folder.load import load_weights, read_folder
+        from ..folder.remote_code import check_tokenizer_code
 
         folder = self.args.init_from
         expected = self.model_class.config_class.model_type
         found = read_folder(folder).config.get("model_type")  # config.json as written: no class chosen by it yet
         if found != expected:
             raise UsageError(f"--init-from {folder} holds a {found!r} model; this task trains {expected!r} models.")
+        check_tokenizer_code(folder, consent=None)  # its tokenizer loads next: no code of the folder's runs there
         return load_weights(self.model_class, folder)  # Deriv's types are registered: no remote code
 
     def read(self) -> Source:

@@ -211,8 +211,10 @@ def _positions(ns):
 def _tokens(ns):
     from transformers import AutoTokenizer
 
+    from ..folder.remote_code import check_tokenizer_code
     from .pictures import MAX_TOKENS_DRAWN, token_split
 
+    check_tokenizer_code(ns.folder, ns.trust_remote_code)  # its own code: only with --trust-remote-code
     try:
         tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=ns.trust_remote_code)
     except Exception as error:

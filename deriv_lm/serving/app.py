@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..tokenization.chat_template import ChatTemplateError, render_chat
 from .engines import END, Job, JobFailed
 from .guard import (
     BODY_SECONDS,
@@ -163,22 +164,20 @@ def chat_prompt(served: Served, request: ChatRequest) -> list[int]:
         raise RequestError(
             "messages: this model has no chat template; use /v1/completions with a prompt", param="messages"
         )
-    try:
+    try:  # subtle: within a budget (render_chat), so a template that would not end cannot hold the lock for good
         with served.tokenizer_lock:
-            return served.tokenizer.apply_chat_template(
+            return render_chat(
+                served.tokenizer,
                 request.conversation(),
+                served.name,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
                 sanitize_control_tokens=True,
                 tokenizer_kwargs={"verbose": False},
             )
-    except Exception as error:  # the template's own refusal (jinja's raise_exception), e.g. roles out of order
-        from jinja2 import TemplateError
-
-        if isinstance(error, TemplateError):
-            raise RequestError(f"messages: the chat template refused them: {error}", param="messages") from None
-        raise
+    except ChatTemplateError as error:  # the template's own refusal (raise_exception), e.g. roles out of order
+        raise RequestError(f"messages: the chat template {error.why}", param="messages") from None
 
 
 def completion_prompt(served: Served, request: CompletionRequest) -> list[int]:
