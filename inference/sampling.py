@@ -50,12 +50,10 @@ def sampling_options(ns: argparse.Namespace) -> dict:
 
 
 def check_decode_loop(ns: argparse.Namespace, options: dict) -> None:
-    """--decode-loop runs greedy search and sampling, with every flag here but the frequency penalty: refuse the
-    rest up front, by flag (the loop itself refuses what a folder's generation config asks for)."""
+    """--decode-loop runs greedy search and sampling, with every flag here: refuse beams up front, by flag (the loop
+    itself refuses what a folder's generation config asks for)."""
     if options.get("num_beams", 1) > 1:
         raise UsageError(f"--decode-loop decodes greedily or by sampling, not with --num-beams {options['num_beams']}")
-    if ns.frequency_penalty:
-        raise UsageError("--decode-loop does not support --frequency-penalty (it counts repeats); drop one of them")
 
 
 def wanted_new_tokens(options: dict, model) -> int:

@@ -10,10 +10,23 @@ transformers compiles the forward alone, so each token is still one graph plus d
 host synchronisations. Here everything a step does lives in one function, compiled once (CUDA graphs on a GPU,
 `mode="reduce-overhead"`), whose inputs and outputs are tensors of fixed shape:
 
-    token (B, 1), position (B, 1), alive (B,), slot ()  ->  forward over the static cache
-                                                         ->  processors(sequence buffer, logits)
-                                                         ->  argmax, or a sample
-                                                         ->  next token, next position, alive, slot + 1
+    token (B, 1), position (B, 1), alive (B,), slot (1,), settings  ->  forward over the static cache
+                                                                    ->  penalties, warpers (from `settings`)
+                                                                    ->  argmax, or a sample
+                                                                    ->  next token, next position, alive, slot + 1
+
+The sampling settings (temperature, top-k, top-p, min-p, the repetition, presence and frequency penalties) are
+inputs of that function, tensors of one shape whatever their values (`Settings`), never constants of the graph: one
+compiled step serves every request, as vLLM keeps its sampling parameters in tensors. (Before, the step ran
+transformers' processors, whose settings the compiler read as constants: each new temperature compiled the step
+again, and after torch's recompile limit, eight, every new setting failed.) The step applies them as transformers'
+processors do, operation for operation (`penalise`, `warp`, tested against them), with top-k as data: the k-th
+largest score is gathered from the sorted scores, so k is a value, not a shape. A setting at its neutral value
+(temperature 1, top-k off, top-p 1, penalties 1 or 0) leaves the scores as they are, so the settings a request
+leaves out cost nothing but the arithmetic. What still compiles the step again is a new shape (a batch size, a cache
+capacity), greedy search against sampling (and greedy with penalties against without), and a dtype; past torch's
+recompile limit such a call runs the same step uncompiled, said once in the log (`run_steps`), so the limit never
+stops the loop.
 
 The host reads nothing back per token: the end-of-sequence test runs on the device (`alive`), and the host asks
 whether any row is still alive only every `check_every` tokens. Tokens after a row's end are `pad_token_id`, and
@@ -23,15 +36,17 @@ exactly and, unlike `torch.multinomial`, can live inside a CUDA graph; the rando
 `generate()`'s).
 
 What it runs is narrower than `generate()`, and it says so instead of differing silently: greedy search and
-sampling (no beams, no assistant), the processors in `SUPPORTED_PROCESSORS`, stopping at `max_new_tokens` and at
-end-of-sequence, decoder-only models, ids as input, and no per-step outputs (scores, attentions). The sequence the
-processors see is a buffer of fixed length: the prompt, the tokens so far, and copies of the prompt's first token in
-the slots not yet written, which changes nothing for the supported processors (a repeated token is penalised once).
+sampling (no beams, no assistant), the processors in `SUPPORTED_PROCESSORS` in generate()'s order, stopping at
+`max_new_tokens` and at end-of-sequence, decoder-only models, ids as input, and no per-step outputs (scores,
+attentions). The sequence the penalties see is a buffer of fixed length: the prompt and the tokens so far; the slots
+not yet written (and a prompt's padding the repetition penalty is told to skip) are counted for no token.
 `decode_loop="eager"` runs the same step uncompiled: the loop's logic without the compiler, for tests and where
 torch.compile is not available.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig, StaticCache
@@ -44,20 +59,26 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.utils import logging
 
-from .logits_process import PresencePenaltyLogitsProcessor
+from .logits_process import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
 
+
+logger = logging.get_logger(__name__)
 
 LOOPS = ("compiled", "eager")
-# processors whose result depends on the set of ids in the sequence at most, never on its length or order
+# processors whose result depends on the multiset of ids in the sequence at most, never on their order, in the order
+# generate() applies them (its penalties, the caller's, then the warpers when sampling): the step's order
 SUPPORTED_PROCESSORS = (
+    RepetitionPenaltyLogitsProcessor,
+    PresencePenaltyLogitsProcessor,
+    FrequencyPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    PresencePenaltyLogitsProcessor,
 )
+WARPERS = SUPPORTED_PROCESSORS[3:]
 CHECK_EVERY = 16  # tokens between two host reads of "is any row still going?"
 CACHE_ROUNDING = 256  # cache capacities are rounded up to this, so that nearby lengths share one compiled step
 
@@ -75,7 +96,7 @@ def check_loop_name(name: str | None) -> str | None:
 def unsupported(what: str) -> DecodeLoopUnsupported:
     return DecodeLoopUnsupported(
         f"decode_loop does not support {what}; it runs greedy search and sampling with temperature, top-k, top-p, "
-        "min-p, repetition and presence penalties. Leave decode_loop unset to use generate()'s own loop."
+        "min-p, repetition, presence and frequency penalties. Leave decode_loop unset to use generate()'s own loop."
     )
 
 
@@ -89,11 +110,7 @@ def check_request(model, generation_config: GenerationConfig, processors, criter
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if generation_config.return_dict_in_generate and getattr(generation_config, flag, False):
             raise unsupported(f"{flag}=True (per-step outputs)")
-    for processor in processors:
-        if not isinstance(processor, SUPPORTED_PROCESSORS):
-            raise unsupported(f"the logits processor {type(processor).__name__}")
-        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and processor.prompt_ignore_length is not None:
-            raise unsupported("repetition_penalty with prompt_ignore_length")
+    check_processors(processors)
     for criterion in criteria:
         if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)) and not checked_every_block(criterion):
             raise unsupported(f"the stopping criterion {type(criterion).__name__}")
@@ -104,10 +121,127 @@ def check_request(model, generation_config: GenerationConfig, processors, criter
         raise unsupported("a cache passed in by the caller")
 
 
+def check_processors(processors) -> None:
+    """Each processor one the step applies (its own class, not a subclass that may compute something else), once
+    each, in the step's order (generate()'s), and masking with -inf as the step does."""
+    for processor in processors:
+        if type(processor) not in SUPPORTED_PROCESSORS:
+            raise unsupported(f"the logits processor {type(processor).__name__}")
+        if getattr(processor, "filter_value", -float("inf")) != -float("inf"):
+            raise unsupported(f"{type(processor).__name__} with a filter_value other than -inf")
+    places = [SUPPORTED_PROCESSORS.index(type(processor)) for processor in processors]
+    if places != sorted(set(places)):
+        names = ", ".join(type(p).__name__ for p in processors)
+        order = ", ".join(kind.__name__ for kind in SUPPORTED_PROCESSORS)
+        raise unsupported(f"the logits processors {names} in this order (each at most once, in the order {order})")
+
+
 def checked_every_block(criterion) -> bool:
     """A stopping criterion that ends the whole request from the host (a client that left, a deadline) says so with
     `checked_every_block = True`; the loop asks it every CHECK_EVERY tokens instead of every token."""
     return getattr(criterion, "checked_every_block", False)
+
+
+class Settings(NamedTuple):
+    """A request's sampling settings, each a (B, 1) tensor: inputs of the compiled step, so that no value of theirs
+    is a constant of its graph. Each field's neutral value (the processor absent) leaves the scores as they are."""
+
+    repetition: torch.Tensor  # float, 1: RepetitionPenaltyLogitsProcessor's penalty
+    presence: torch.Tensor  # float, 0: PresencePenaltyLogitsProcessor's
+    frequency: torch.Tensor  # float, 0: FrequencyPenaltyLogitsProcessor's
+    temperature: torch.Tensor  # float, 1
+    top_p_floor: torch.Tensor  # float, -1: 1 - top_p, the cumulative probability at or under which top-p removes
+    min_p: torch.Tensor  # float, 0
+    skip: torch.Tensor  # long, 0: the prompt positions the repetition penalty skips (prompt_ignore_length)
+    top_k: torch.Tensor  # long, the vocabulary size: k, at least top-k's min_tokens_to_keep, at most the vocabulary
+    keep_top_p: torch.Tensor  # long, 1: top-p's min_tokens_to_keep
+    keep_min_p: torch.Tensor  # long, 1: min-p's
+
+
+NEUTRAL = {"repetition": 1.0, "presence": 0.0, "frequency": 0.0, "temperature": 1.0, "top_p_floor": -1.0, "min_p": 0.0}
+# each processor's settings, as Settings fields, read from it (transformers' warpers keep top_k already raised to
+# min_tokens_to_keep, and the top-p floor is computed in Python's double precision, as TopPLogitsWarper does)
+READ = {
+    RepetitionPenaltyLogitsProcessor: lambda p: {"repetition": p.penalty, "skip": p.prompt_ignore_length},
+    PresencePenaltyLogitsProcessor: lambda p: {"presence": p.presence_penalty},
+    FrequencyPenaltyLogitsProcessor: lambda p: {"frequency": p.frequency_penalty},
+    TemperatureLogitsWarper: lambda p: {"temperature": p.temperature},
+    TopKLogitsWarper: lambda p: {"top_k": p.top_k},
+    TopPLogitsWarper: lambda p: {"top_p_floor": 1 - p.top_p, "keep_top_p": p.min_tokens_to_keep},
+    MinPLogitsWarper: lambda p: {"min_p": p.min_p, "keep_min_p": p.min_tokens_to_keep},
+}
+
+
+def step_settings(processors, batch: int, vocab: int, device) -> Settings:
+    """The settings of `processors` (checked by `check_processors`) as the step's tensors, on `device`: a few copies
+    to the device per request, none per token."""
+    values = {**NEUTRAL, "skip": None, "top_k": vocab, "keep_top_p": 1, "keep_min_p": 1}
+    for processor in processors:
+        values.update(READ[type(processor)](processor))
+    values["skip"] = 0 if values["skip"] is None else values["skip"]  # None, an int, or one per row (B,)
+    values["top_k"] = min(values["top_k"], vocab)
+
+    def column(value, dtype):  # one value, or one per row, as (B, 1)
+        return torch.as_tensor(value, dtype=dtype).to(device).reshape(-1, 1).expand(batch, 1).contiguous()
+
+    floats = {name: column(values[name], torch.float32) for name in NEUTRAL}
+    longs = {name: column(values[name], torch.long) for name in ("skip", "top_k", "keep_top_p", "keep_min_p")}
+    return Settings(**floats, **longs)
+
+
+def step_mode(processors, do_sample: bool) -> tuple[bool, bool, bool]:
+    """The step's three Python values, each a graph of its own: sampling or not, penalties or not, warpers or not.
+    Sampling runs both (at their neutral values where unset: one graph for every setting); greedy search runs what
+    its processors need, so a plain greedy step stays the forward and an argmax (warpers, which a caller may pass,
+    cannot change the argmax but for ties)."""
+    warped = do_sample or any(type(processor) in WARPERS for processor in processors)
+    return do_sample, warped or any(type(processor) not in WARPERS for processor in processors), warped
+
+
+def penalise(scores: torch.Tensor, sequence: torch.Tensor, slot: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """The repetition, presence and frequency penalties, in that order, over the tokens written before `slot`: the
+    operations of their processors (transformers' and `logits_process.py`'s), with the settings as tensors.
+
+    A position that counts for no token (a slot not yet written; for the repetition penalty, a prompt position it
+    skips) holds the id V, a column past the vocabulary that is dropped at the end, as transformers' repetition
+    penalty drops the padding it skips."""
+    vocab = scores.shape[-1]
+    positions = torch.arange(sequence.shape[1], device=sequence.device)
+    ids = torch.where(positions < slot, sequence, vocab)  # (B, capacity): the tokens so far
+    repeated_ids = torch.where(positions >= settings.skip, ids, vocab)
+    padded = torch.nn.functional.pad(scores, (0, 1))  # (B, V + 1)
+    repeated = padded.gather(1, repeated_ids)
+    repeated = torch.where(repeated < 0, repeated * settings.repetition, repeated / settings.repetition)
+    padded = padded.scatter(1, repeated_ids, repeated)
+    counts = torch.zeros_like(padded).scatter_add_(1, ids, torch.ones_like(ids, dtype=padded.dtype))[:, :vocab]
+    scores = padded[:, :vocab] - settings.presence * (counts > 0).to(scores.dtype)
+    return scores - settings.frequency * counts
+
+
+def warp(scores: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, in that order (generate()'s): the operations of transformers' warpers,
+    with the settings as tensors. One sort serves top-k and top-p: the k-th largest score is gathered from it, so k
+    is a value in the graph, not a shape, and the sorted scores top-k leaves are the ones top-p would sort."""
+    vocab = scores.shape[-1]
+    scores = scores / settings.temperature
+    ascending, order = torch.sort(scores, descending=False)
+    kth = ascending.gather(1, vocab - settings.top_k)  # (B, 1): the k-th largest score
+    scores = scores.masked_fill(scores < kth, -float("inf"))
+    ascending = ascending.masked_fill(ascending < kth, -float("inf"))
+    place = torch.arange(vocab, device=scores.device)  # in the ascending order: the most likely token is last
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    removed = (cumulative <= settings.top_p_floor) & (place < vocab - settings.keep_top_p)
+    scores = scores.masked_fill(removed.scatter(1, order, removed), -float("inf"))
+    probs = torch.softmax(scores, dim=-1)
+    removed = probs < settings.min_p * probs.amax(dim=-1, keepdim=True)
+    kept = (place >= vocab - settings.keep_min_p).expand_as(removed)  # min-p's min_tokens_to_keep most likely
+    return scores.masked_fill(removed & ~kept.scatter(1, order, kept), -float("inf"))
+
+
+def process(scores, sequence, slot, settings: Settings, penalised: bool = True, warped: bool = True) -> torch.Tensor:
+    """What generate()'s processors make of the scores: the penalties, then the warpers."""
+    scores = penalise(scores, sequence, slot, settings) if penalised else scores
+    return warp(scores, settings) if warped else scores
 
 
 def buffers(model, input_ids: torch.LongTensor, length: int) -> tuple[StaticCache, torch.Tensor]:
@@ -144,12 +278,14 @@ def static_cache(model, batch: int, length: int) -> StaticCache:
     return cache
 
 
-def decode_step(model, processors, do_sample, token, position, mask, cache, sequence, slot, alive, pad, eos):
-    """One new token for every row: the step the loop compiles. All arguments but the first three are tensors (or
-    None); none is read back to the host."""
+def decode_step(model, settings, mode, token, position, mask, cache, sequence, slot, alive, pad, eos):
+    """One new token for every row: the step the loop compiles. `mode` (`step_mode`) is its only Python value:
+    sampling is one graph whatever its settings, greedy search one or two (with or without penalties). Every other
+    argument but the model is a tensor (or None); none is read back to the host."""
+    do_sample, penalised, warped = mode
     # the cache goes fourth, where Deriv's forward takes it under either of its names (transformers 5.24 renamed it)
     outputs = model(token, mask, position, cache, use_cache=True, logits_to_keep=1)
-    chosen = choose(processors(sequence, outputs.logits[:, -1].float()), do_sample)
+    chosen = choose(process(outputs.logits[:, -1].float(), sequence, slot, settings, penalised, warped), do_sample)
     if eos is not None:
         chosen = torch.where(alive, chosen, pad)  # a finished row repeats the pad token, as generate() writes
         alive = alive & ~torch.isin(chosen, eos)
@@ -157,10 +293,10 @@ def decode_step(model, processors, do_sample, token, position, mask, cache, sequ
     return chosen[:, None], position + 1, alive, slot + 1
 
 
-def compiled_step(model, loop: str):
-    """The step, compiled once per model (transformers' processors are inlined and guarded on their settings: a new
-    temperature or top-k compiles the step again)."""
-    if loop == "eager":
+def compiled_step(model, loop: str, shape: tuple = ()):
+    """The step, compiled once per model and device; uncompiled for "eager" and for a shape past torch's recompile
+    limit (`run_steps`)."""
+    if loop == "eager" or shape in model.__dict__.get("_decode_loop_uncompiled", ()):
         return decode_step
     steps = model.__dict__.setdefault("_decode_loop_steps", {})  # one per device type the model has been on
     device = model.device.type
@@ -170,6 +306,25 @@ def compiled_step(model, loop: str):
         options = {"mode": "reduce-overhead"} if device == "cuda" else {"options": {"cpp_wrapper": device == "cpu"}}
         steps[device] = torch.compile(decode_step, fullgraph=True, dynamic=False, **options)
     return steps[device]
+
+
+def recompile_limit_errors() -> tuple[type[BaseException], ...]:
+    """What torch raises for a fullgraph function past its recompile limit (the name changed across versions)."""
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    return tuple(error for error in (getattr(torch._dynamo.exc, name, None) for name in names) if error is not None)
+
+
+def uncompiled_from_now(model, shape: tuple, error: BaseException):
+    """After torch refused to compile the step once more for `shape`: the uncompiled step, for this call and every
+    later one of that shape (the limit does not reset), said once. The step's other shapes stay compiled."""
+    model.__dict__.setdefault("_decode_loop_uncompiled", set()).add(shape)
+    logger.warning(
+        "decode_loop: torch's recompile limit (torch._dynamo.config.recompile_limit) is reached for the decode step "
+        "(%s); calls of this shape (batch, cache, mode, mask, end token, dtype: %s) run it uncompiled from now on",
+        type(error).__name__,
+        shape,
+    )
+    return decode_step
 
 
 def prefill(model, input_ids, model_kwargs, cache):
@@ -199,7 +354,7 @@ def loop_state(input_ids, model_kwargs, sequence: torch.Tensor):
     mask = model_kwargs.get("attention_mask")
     if mask is not None:  # (B, capacity): the prompt's padding, then ones (later slots are hidden by the causal mask)
         mask = torch.cat([mask, mask.new_ones(batch, capacity - length)], dim=1)
-    sequence.copy_(input_ids[:, :1].expand(batch, capacity))  # unwritten slots repeat a token the prompt has
+    sequence.zero_()  # the slots not yet written count for no token (`penalise` masks them)
     sequence[:, :length] = input_ids
     return positions[:, -1:] + 1, mask
 
@@ -221,10 +376,9 @@ def decode_loop(
 
     subtle: generate() hands a custom_generate callable none of its own `streamer`, `synced_gpus` or `assistant_model`
     (transformers 5.24 keeps only the callable's extra arguments), so `DerivForCausalLM.generate` passes the streamer
-    as `loop_streamer`, which has not seen the prompt yet; a `streamer` (from a transformers that passes it) has."""
-    if loop_streamer is not None:
-        loop_streamer.put(input_ids.cpu())
-        streamer = loop_streamer
+    as `loop_streamer`, which has not seen the prompt yet (it sees it once the request is accepted, so a caller may
+    run a refused request with generate() and the same streamer); a `streamer` (from a transformers that passes it)
+    has."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     if synced_gpus:
@@ -239,6 +393,9 @@ def decode_loop(
             f"max_new_tokens ({new_tokens}) are longer than the model's context; truncate the input or lower "
             "max_new_tokens."
         )
+    if loop_streamer is not None:
+        loop_streamer.put(input_ids.cpu())
+        streamer = loop_streamer
     cache, sequence = buffers(model, input_ids, generation_config.max_length)
     position, mask = loop_state(input_ids, model_kwargs, sequence)
     device = input_ids.device
@@ -248,19 +405,21 @@ def decode_loop(
     pad = generation_config._pad_token_tensor
     pad = (pad if pad is not None else torch.tensor(0)).to(device)
     do_sample = bool(generation_config.do_sample)
+    settings = step_settings(logits_processor, batch, model.config.vocab_size, device)
+    sampling = (settings, step_mode(logits_processor, do_sample))
 
     with torch.no_grad():
         logits = prefill(model, input_ids, model_kwargs, cache)
-        chosen = choose(logits_processor(sequence, logits), do_sample)
+        slot = torch.tensor([length], device=device)
+        chosen = choose(process(logits, sequence, slot, *sampling), do_sample)
         alive = torch.ones(batch, dtype=torch.bool, device=device)
         if eos is not None:
             alive = alive & ~torch.isin(chosen, eos)
-        slot = torch.tensor([length], device=device)
         sequence.index_copy_(1, slot, chosen[:, None])
         token, slot = chosen[:, None], slot + 1
         state = (token, position, mask, cache, sequence, slot, alive, pad, eos)
         stops = [criterion for criterion in stopping_criteria if checked_every_block(criterion)]
-        produced = run_steps(model, loop, logits_processor, do_sample, state, (length, new_tokens), streamer, stops)
+        produced = run_steps(model, loop, sampling, state, (length, new_tokens), streamer, stops)
     output = sequence[:, : length + produced]
     if streamer is not None:
         streamer.end()
@@ -272,11 +431,18 @@ def decode_loop(
     return output
 
 
-def run_steps(model, loop, processors, do_sample, state, lengths, streamer, stops=()) -> int:
+def step_shape(model, sampling, state) -> tuple:
+    """What compiles the step again when it changes (beside the model and the device): shapes, modes, dtype."""
+    mask, sequence, eos = state[2], state[4], state[8]
+    return (model.device.type, *sequence.shape, *sampling[1], mask is None, eos is None, model.dtype)
+
+
+def run_steps(model, loop, sampling, state, lengths, streamer, stops=()) -> int:
     """Run the step until `new_tokens` tokens exist, every row has ended (asked every CHECK_EVERY tokens) or a
     block-checked criterion (`stops`) says stop; the number of new tokens kept: generate() stops at the step where
     the last row ends."""
-    step = compiled_step(model, loop)
+    shape = step_shape(model, sampling, state)
+    step = compiled_step(model, loop, shape)
     token, position, mask, cache, sequence, slot, alive, pad, eos = state
     length, new_tokens = lengths
     history = [alive.clone()]  # alive after each new token
@@ -286,8 +452,13 @@ def run_steps(model, loop, processors, do_sample, state, lengths, streamer, stop
         if any(bool(stop(sequence[:, : length + done], None).all()) for stop in stops):
             break
         for _ in range(min(CHECK_EVERY, new_tokens - done)):
+            arguments = (model, *sampling, token, position, mask, cache, sequence, slot, alive, pad, eos)
+            try:
+                outputs = step(*arguments)
+            except recompile_limit_errors() as error:  # raised before the step ran: nothing is written yet
+                step = uncompiled_from_now(model, shape, error)
+                outputs = step(*arguments)
             # subtle: under CUDA graphs a step's outputs live in memory the next replay overwrites; clones keep them
-            outputs = step(model, processors, do_sample, token, position, mask, cache, sequence, slot, alive, pad, eos)
             token, position, alive, slot = (t.clone() for t in outputs)
             history.append(alive)
             done += 1

@@ -13,9 +13,12 @@ import torch
 from transformers import (
     GenerationConfig,
     LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     StoppingCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from deriv_lm.modeling_deriv import (
@@ -126,13 +129,109 @@ def test_stops_where_generate_stops_when_every_row_ends(models):
 
 def test_penalties_change_greedy_choices_the_same_way(models):
     model, ids = models["gpt2"], prompt(2, 6)
-    processors = LogitsProcessorList([PresencePenaltyLogitsProcessor(1.5)])
+    processors = LogitsProcessorList([PresencePenaltyLogitsProcessor(1.5), FrequencyPenaltyLogitsProcessor(0.4)])
     kwargs = {"max_new_tokens": 40, "eos_token_id": None, "repetition_penalty": 1.8, **GREEDY}
     plain = model.generate(ids, max_new_tokens=40, eos_token_id=None, **GREEDY)
     expected = model.generate(ids, logits_processor=processors, **kwargs)
     got = model.generate(ids, logits_processor=processors, decode_loop="eager", **kwargs)
     assert not torch.equal(expected, plain), "the penalties must matter for this test to mean anything"
     assert torch.equal(got, expected)
+
+
+# processor lists as generate() builds them (and a caller may pass them): the step applies each from tensors
+SETTINGS = {
+    "none": [],
+    "temperature": [TemperatureLogitsWarper(0.7)],
+    "top-k": [TopKLogitsWarper(5)],
+    "top-k past the vocabulary": [TopKLogitsWarper(5000)],
+    "top-p": [TopPLogitsWarper(0.9)],
+    "top-p 1": [TemperatureLogitsWarper(1.7), TopPLogitsWarper(1.0)],
+    "min-p": [MinPLogitsWarper(0.1)],
+    "repetition": [RepetitionPenaltyLogitsProcessor(1.3)],
+    "repetition below 1": [RepetitionPenaltyLogitsProcessor(0.8)],
+    "presence and frequency": [PresencePenaltyLogitsProcessor(-1.0), FrequencyPenaltyLogitsProcessor(0.5)],
+    "all": [
+        RepetitionPenaltyLogitsProcessor(1.3),
+        PresencePenaltyLogitsProcessor(0.5),
+        FrequencyPenaltyLogitsProcessor(0.25),
+        TemperatureLogitsWarper(0.6),
+        TopKLogitsWarper(40),
+        TopPLogitsWarper(0.8),
+        MinPLogitsWarper(0.05),
+    ],
+    "kept at least": [TopKLogitsWarper(3, min_tokens_to_keep=5), TopPLogitsWarper(0.3, min_tokens_to_keep=4)],
+    "min-p kept at least": [TemperatureLogitsWarper(0.3), MinPLogitsWarper(0.5, min_tokens_to_keep=3)],
+    "top-k 1": [TemperatureLogitsWarper(2.0), TopKLogitsWarper(1)],
+    "padding skipped, per row": [
+        RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.tensor([0, 3, 7, 12]))
+    ],
+    "padding skipped": [RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=5)],
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_the_steps_tensor_settings_are_transformers_processors(name):
+    """The step's penalties and warpers, their settings read into tensors, give the scores of transformers'
+    processors (and Deriv's presence and frequency penalties) bit for bit, on random scores over a sequence buffer
+    with repeats and unwritten slots."""
+    processors = LogitsProcessorList(SETTINGS[name])
+    generator = torch.Generator().manual_seed(len(name))
+    batch, vocab, capacity, slot = 4, 1000, 64, 40
+    for _ in range(4):
+        scores = torch.randn(batch, vocab, generator=generator) * 4
+        sequence = torch.randint(0, 60, (batch, capacity), generator=generator)  # few ids: many repeats
+        expected = processors(sequence[:, :slot], scores.clone())
+        loop_module.check_processors(processors)
+        settings = loop_module.step_settings(processors, batch, vocab, "cpu")
+        got = loop_module.process(
+            scores.clone(), sequence, torch.tensor([slot]), settings, penalised=True, warped=True
+        )
+        assert torch.equal(got, expected)
+
+
+def test_every_setting_is_the_same_tensors_for_the_graph():
+    """What the compiled step is guarded on: the settings' shapes and dtypes, which no value changes (a new
+    temperature compiled the step again when the processors were inlined into it)."""
+    shapes = {
+        tuple((t.shape, t.dtype) for t in loop_module.step_settings(LogitsProcessorList(p), 4, 1000, "cpu"))
+        for p in SETTINGS.values()
+    }
+    assert len(shapes) == 1
+
+
+def test_a_repetition_penalty_that_skips_the_padding_is_generates(models):
+    """Left-padded rows, a repetition penalty told to skip each row's padding (as transformers builds it from the
+    attention mask): the loop counts what generate() counts."""
+    model = models["llama"]
+    ids, mask = prompt(3, 9, seed=8), torch.ones(3, 9, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 5, 0
+    ids[2, :5], mask[2, :5] = 6, 0
+    skip = (mask != 0).int().argmax(dim=1)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(2.5, prompt_ignore_length=skip)])
+    kwargs = {"attention_mask": mask, "max_new_tokens": 30, "eos_token_id": None, **GREEDY}
+    expected = model.generate(ids, logits_processor=processors, **kwargs)
+    assert torch.equal(model.generate(ids, logits_processor=processors, decode_loop="eager", **kwargs), expected)
+
+
+def test_past_torchs_recompile_limit_the_step_runs_uncompiled(monkeypatch, caplog):
+    """torch refuses a fullgraph function more graphs past its recompile limit; that shape then runs the same step
+    uncompiled, said once, and the tokens are generate()'s: the limit never turns into a failing loop."""
+    model, ids = tiny("gpt2", seed=4), prompt(1, 6, seed=9)
+    refused = []
+
+    def at_the_limit(*args):
+        refused.append(1)
+        raise loop_module.recompile_limit_errors()[0]("Hard failure due to fullgraph=True")
+
+    model.__dict__["_decode_loop_steps"] = {model.device.type: at_the_limit}
+    expected = model.generate(ids, max_new_tokens=20, eos_token_id=None, **GREEDY)
+    for _ in range(2):
+        with caplog.at_level("WARNING"):
+            got = model.generate(ids, max_new_tokens=20, eos_token_id=None, decode_loop="compiled", **GREEDY)
+        assert torch.equal(got, expected)
+    assert refused == [1], "the shape past the limit is not offered to the compiler again"
+    lines = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert len(lines) == 1 and "uncompiled" in lines[0]
 
 
 def test_transformers_custom_generate_hook_runs_the_same_loop(models):
@@ -232,7 +331,16 @@ class Never(StoppingCriteria):
     ("kwargs", "named"),
     [
         ({"num_beams": 2}, "generation mode"),
-        ({"logits_processor": LogitsProcessorList([FrequencyPenaltyLogitsProcessor(0.5)])}, "FrequencyPenalty"),
+        ({"logits_processor": LogitsProcessorList([TopKLogitsWarper(5, filter_value=-9.0)])}, "filter_value"),
+        (
+            {
+                "logits_processor": LogitsProcessorList(
+                    [TemperatureLogitsWarper(0.5), PresencePenaltyLogitsProcessor(1)]
+                )
+            },
+            "TemperatureLogitsWarper, PresencePenaltyLogitsProcessor in this order",
+        ),
+        ({"logits_processor": LogitsProcessorList([MinPLogitsWarper(0.1), MinPLogitsWarper(0.2)])}, "at most once"),
         ({"no_repeat_ngram_size": 2}, "NoRepeatNGram"),
         ({"stopping_criteria": [Never()]}, "stopping criterion Never"),
         ({"max_time": 10.0}, "MaxTimeCriteria"),

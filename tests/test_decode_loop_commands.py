@@ -47,10 +47,16 @@ def test_deriv_generate_samples_through_the_loop(folder, capsys):
     assert text.startswith("7 1") and len(text) > len("7 1")
 
 
+def test_deriv_generate_applies_every_penalty_in_the_loop(folder, capsys):
+    """The frequency penalty too (the loop counts only the tokens written so far): generate()'s text."""
+    argv = ["generate", str(folder), "5 3 1 8 :", "--greedy", "--no-stream", "--frequency-penalty", "1.5"]
+    argv += ["--presence-penalty", "0.5", "--repetition-penalty", "1.3"]
+    assert generated(capsys, [*argv, "--decode-loop", "eager"]) == generated(capsys, argv)
+
+
 # (flags after `deriv generate FOLDER PROMPT --decode-loop eager`, words the one-line refusal must hold)
 GENERATE_REFUSALS = [
     (["--num-beams", "2"], "not with --num-beams 2"),
-    (["--frequency-penalty", "0.5"], "--frequency-penalty"),
     (["--decode-loop", "fast"], "invalid choice: 'fast'"),
 ]
 
@@ -113,8 +119,49 @@ def test_deriv_serve_answers_generates_text_through_the_loop(server, reference):
     assert "Traceback" not in server.log_tail(10**6)
 
 
-def test_deriv_serve_refuses_frequency_penalty_naming_it(server):
-    body = {"model": "numbers", "prompt": "5 3", "max_tokens": 4, "frequency_penalty": 0.5}
-    status, payload, _ = server.send("POST", "/v1/completions", json.dumps(body).encode())
-    assert status == 400 and payload["error"]["param"] == "frequency_penalty"
-    assert "--decode-loop" in payload["error"]["message"]
+def test_deriv_serve_applies_the_penalties_in_the_loop(server, reference):
+    """presence_penalty and frequency_penalty through the loop: generate()'s text with the same two processors."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from deriv_lm.modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+
+    model, tokenizer, text = reference["model"], reference["tokenizer"], "5 3 1 8 :"
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+    processors = LogitsProcessorList([PresencePenaltyLogitsProcessor(0.5), FrequencyPenaltyLogitsProcessor(1.5)])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)), logits_processor=processors)
+    expected = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    body = {"model": "numbers", "prompt": text, "max_tokens": NEW_TOKENS, "presence_penalty": 0.5}
+    reply = server.post("/v1/completions", {**body, "frequency_penalty": 1.5})
+    assert reply["choices"][0]["text"] == expected
+    assert expected != reference["completions"][text], "the penalties must matter for this test to mean anything"
+
+
+def test_a_request_the_loop_refuses_runs_in_generate_said_once(server, reference):
+    """The engine's net under the loop: settings the loop refuses (here n-gram blocking, which no request can ask
+    for today) run in generate()'s own loop, one log line, generate()'s tokens, never a failed request."""
+    import asyncio
+
+    import torch
+
+    from deriv_lm.serving.engines import END, Job
+
+    ids = reference["tokenizer"]("5 3 1 8 :", add_special_tokens=False).input_ids
+
+    async def decode() -> list[int]:
+        job, tokens = Job(ids, NEW_TOKENS), []
+        server.served.engine.submit(job, {"no_repeat_ngram_size": 2})
+        while (item := await job.queue.get()) is not END:
+            assert isinstance(item, list), item
+            tokens += item
+        return tokens
+
+    with torch.no_grad():
+        out = reference["model"].generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)), no_repeat_ngram_size=2
+        )
+    assert asyncio.run(decode()) == out[0, len(ids) :].tolist()
+    log = server.log_tail(10**6)
+    assert log.count("generate() runs this request") == 1 and "NoRepeatNGramLogitsProcessor" in log
+    assert "Traceback" not in log

@@ -115,12 +115,6 @@ def sampling_settings(served: Served, request: Sampling) -> tuple[dict, Any]:
             sampling["temperature"] = request.temperature
         if request.top_p is not None:
             sampling["top_p"] = request.top_p
-    if request.frequency_penalty and getattr(folder, "decode_loop", None):
-        raise RequestError(
-            "frequency_penalty: this server decodes in Deriv's decode loop (--decode-loop), which has no frequency "
-            "penalty; leave it unset (presence_penalty works), or start deriv serve without --decode-loop",
-            param="frequency_penalty",
-        )
     processors = None
     if request.presence_penalty or request.frequency_penalty:
         from transformers import LogitsProcessorList

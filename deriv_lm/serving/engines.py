@@ -3,7 +3,10 @@ continuous batching. Either way a request is a `Job` whose new token ids arrive 
 layer streams and stops the same way over both.
 
 - `GenerateEngine`: one worker thread runs `model.generate()` for one request at a time, with the request's own
-  sampling settings, seed and penalties. The reply is exactly what `generate()` gives for the same prompt.
+  sampling settings, seed and penalties. The reply is exactly what `generate()` gives for the same prompt. Under
+  `--decode-loop` it runs Deriv's decode loop, whose one compiled step takes every request's settings as inputs; a
+  request the loop refuses (`DecodeLoopUnsupported`, before it decodes anything) runs in `generate()`'s own loop
+  instead, said in one log line: a setting is never a failed request.
 - `BatchingEngine`: transformers' `ContinuousBatchingManager` packs every request in flight into one batch over a
   paged KV cache. It decodes with one generation config for the whole batch (the folder's), so a request may
   choose its length and stop sequences but not its own sampling (`app.py` refuses those). If its worker thread
@@ -71,6 +74,8 @@ class GenerateEngine:
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
+        from ..modeling_deriv.decode_loop import DecodeLoopUnsupported
+
         class Cancelled(StoppingCriteria):
             checked_every_block = True  # the decode loop (--decode-loop) asks every few tokens, not every one
 
@@ -83,23 +88,35 @@ class GenerateEngine:
         try:
             config = copy.deepcopy(self.generation_config)
             config.update(max_new_tokens=job.max_new_tokens, **sampling)
-            if seed is not None:
-                torch.manual_seed(seed)
-            input_ids = torch.tensor([job.prompt], device=self.model.device)
-            with torch.no_grad():
-                self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    generation_config=config,
-                    logits_processor=processors,
-                    stopping_criteria=StoppingCriteriaList([Cancelled()]),
-                    streamer=_TokenStreamer(job),
-                )
+            criteria = StoppingCriteriaList([Cancelled()])
+            try:
+                self._generate(job, config, seed, processors, criteria)
+            except DecodeLoopUnsupported as refusal:  # raised before the loop decoded or streamed anything
+                logger.warning("deriv serve: generate() runs this request, not the decode loop: %s", refusal)
+                config.decode_loop = None
+                self._generate(job, config, seed, processors, criteria)
         except Exception as error:  # a bug, since the request was validated: log it whole, fail this request
             logger.exception("generate() failed on a validated request of %d prompt tokens", len(job.prompt))
             job.push(JobFailed(f"generation failed: {type(error).__name__}"))
             return
         job.push(END)
+
+    def _generate(self, job: Job, config, seed: int | None, processors, criteria) -> None:
+        """`generate()` for the job with `config` (the seed set first, so a reply depends on it alone)."""
+        import torch
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        input_ids = torch.tensor([job.prompt], device=self.model.device)
+        with torch.no_grad():
+            self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=criteria,
+                streamer=_TokenStreamer(job),
+            )
 
     def cancel(self, job: Job) -> None:
         job.cancelled.set()
