@@ -18,12 +18,14 @@ import torch
 from ..errors import MissingFile, UsageError, refused_as_usage
 from ..folder.atomic import atomic_directory
 from ..folder.load import load_weights, read_folder
+from ..folder.target import check_target
 from ..folder.remote_code import check_tokenizer_code
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
 from . import gpt2, llama, marian
 
 
 def _refuse_existing(out: str | os.PathLike) -> None:
+    check_target(out, "--out", allow_existing=True)  # never /, ~, the working directory, a mount point, a link
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise FileExistsError(f"{out} already exists and is not empty; choose a new --out folder.")
 

@@ -27,6 +27,7 @@ import shutil
 
 from ..errors import UsageError
 from ..folder.atomic import atomic_directory
+from ..folder.inside import is_regular_inside
 from ..folder.load import check_model_type, load_weights, read_folder
 from .folders import _refuse_existing
 
@@ -78,7 +79,8 @@ def quantize_folder(folder: str | os.PathLike, out: str | os.PathLike, scheme: s
         for name in sorted(os.listdir(folder)):
             source = os.path.join(folder, name)
             weights = name.startswith("model") and ".safetensors" in name
-            if os.path.isfile(source) and not name.startswith(".") and not weights and name not in _REWRITTEN:
+            regular = is_regular_inside(folder, name)  # never a link out of the source, never a FIFO
+            if regular and not name.startswith(".") and not weights and name not in _REWRITTEN:
                 shutil.copy2(source, os.path.join(tmp, name))
         model.save_pretrained(tmp)  # model.safetensors, config.json (+ quantization_config), code, generation
         write_quantized_card(tmp, out, folder, scheme)

@@ -249,6 +249,9 @@ def test_an_old_folder_renders_the_same_and_its_template_can_be_upgraded():
 
 
 def test_save_replaces_an_existing_tokenizer_but_keeps_other_files(trained, tmp_path):
+    """Into a Deriv model folder (here one an earlier version wrote, without the marker): its tokenizer is
+    replaced, its weights kept. A folder of the user's is refused (tests/test_output_dir.py)."""
+    (tmp_path / "config.json").write_text('{"model_type": "deriv"}')
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     (tmp_path / "tokenizer.json").write_text("old")
     save_tokenizer(trained[0], tmp_path)

@@ -169,14 +169,18 @@ def to_transformers(tokenizer: Tokenizer, model_max_length: int = 1024):
     )
 
 
-def save_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike, model_max_length: int = 1024) -> None:
+def save_tokenizer(
+    tokenizer: Tokenizer, folder: str | os.PathLike, model_max_length: int = 1024, allow_existing: bool = False
+) -> None:
     """Write `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja` into `folder`, atomically.
 
     The folder appears complete or not at all: files are written to a temporary folder beside it
-    and moved into place at the end, so an interruption never leaves a half-written tokenizer.
+    and moved into place at the end, so an interruption never leaves a half-written tokenizer. `folder` is new,
+    empty or Deriv's (a model folder: its tokenizer files are replaced), or, with `allow_existing`, a folder of
+    the user's whose files are kept and never replaced (`folder.target`).
     """
     hf_tokenizer = to_transformers(tokenizer, model_max_length)
-    with atomic_directory(folder) as tmp:
+    with atomic_directory(folder, allow_existing=allow_existing) as tmp:
         hf_tokenizer.save_pretrained(tmp)
         make_portable(tmp)
 

@@ -23,7 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="tokenizer_command", required=True)
 
     train = sub.add_parser("train", help="train a byte-level BPE tokenizer and write a Hugging Face folder")
-    train.add_argument("--out", required=True, help="folder to write (created; tokenizer files in it are replaced)")
+    train.add_argument(
+        "--out",
+        required=True,
+        help="folder to write: new, empty or a Deriv folder (a model folder's tokenizer files are replaced)",
+    )
+    train.add_argument(
+        "--allow-existing-files",
+        action="store_true",
+        help="write into an --out that holds files Deriv did not write: they are kept, never replaced (never the "
+        "filesystem root, the home folder, the working directory or a mount point)",
+    )
     train.add_argument(
         "--vocab-size",
         type=integer(minimum=SMALLEST_VOCAB_SIZE, maximum=LARGEST_VOCAB_SIZE),
@@ -68,18 +78,27 @@ def _sample(documents, megabytes: float) -> list[str]:
     return sample
 
 
+# What `save_tokenizer` writes: a folder of the user's (--allow-existing-files) must hold none of them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
 def run_train(args: argparse.Namespace) -> int:
+    from ..folder.target import check_no_collision, check_target
     from .bpe import to_transformers
 
+    # before the corpus is read and the tokenizer trained: a folder it may not write stops it at once
+    check_target(args.out, "--out", allow_existing=args.allow_existing_files)
+    check_no_collision(args.out, TOKENIZER_FILES, "--out")
     corpus = corpus_from_args(args)
     special = special_tokens_with(args.special_token)
     tokenizer, summary = train_bpe(corpus, args.vocab_size, special, progress=not args.no_progress)
     # measured before the folder is written, so that writing it is the last thing the command does: a Ctrl-C while
     # this ran after it once said "interrupted" of a tokenizer written whole
     ratio = characters_per_token(to_transformers(tokenizer), _sample(corpus, 1.0))
+    allowed = args.allow_existing_files
     before = _stamp(args.out)
     try:
-        save_tokenizer(tokenizer, args.out, model_max_length=args.model_max_length)
+        save_tokenizer(tokenizer, args.out, model_max_length=args.model_max_length, allow_existing=allowed)
         print(
             f"tokenizer: {summary.vocab_size} ids | corpus {summary.characters / 1e6:.2f} M characters in "
             f"{summary.documents} documents ({corpus.description}) | {ratio:.2f} characters per token | "

@@ -134,7 +134,14 @@ class RunArguments:
     )
     resume: bool = arg(False, "continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints")
     overwrite: bool = arg(
-        False, "start afresh in an OUTPUT_DIR that holds a run: its checkpoints, metrics and model are replaced"
+        False,
+        "start afresh in an OUTPUT_DIR that holds a Deriv run: the new run is built beside it and replaces it "
+        "(checkpoints, metrics, model) only once exported; stopped before, it leaves the old run as it was",
+    )
+    allow_existing_files: bool = arg(
+        False,
+        "write into an OUTPUT_DIR that holds files Deriv did not write (refused without it): they are kept, "
+        "never replaced; never the filesystem root, the home folder, the working directory or a mount point",
     )
     samples: int = arg(3, "texts generated (or translated) at the end")
     progress: bool = arg(True, "progress bars while the data is prepared and the model trains (--no-progress: none)")
@@ -150,8 +157,15 @@ class RunArguments:
         check_tracker(self.report_to)
 
     @property
+    def work_dir(self) -> str:
+        """Where the run writes as it goes (checkpoints, metrics.jsonl, its tokenizer): OUTPUT_DIR, or, while a
+        run replaces the run there (--overwrite), the staging folder beside it (`driver.staged`). Not a field:
+        run.json never names it."""
+        return getattr(self, "_work_dir", None) or self.output_dir
+
+    @property
     def checkpoint_dir(self) -> str:
-        return os.path.join(self.output_dir, "checkpoints")
+        return os.path.join(self.work_dir, "checkpoints")
 
 
 @dataclass
@@ -583,6 +597,10 @@ class Settings:
     @property
     def checkpoint_dir(self) -> str:
         return self.parts["run"].checkpoint_dir
+
+    @property
+    def work_dir(self) -> str:
+        return self.parts["run"].work_dir
 
 
 def _short(value) -> str:

@@ -14,20 +14,25 @@ card; samples
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
 from collections.abc import Sized
+from contextlib import contextmanager
 
 from accelerate.utils import DistributedType
 
 from ..errors import MissingFile, UsageError
+from ..folder.atomic import end_staging, staging_folder, start_staging
 from ..folder.load import tokenizer_file
 from ..folder.remote_code import check_tokenizer_code
+from ..folder.target import check_no_collision, check_target, mark
+from ..modeling_deriv import DerivConfig
 from ..tokenization.bpe import characters_per_token, save_tokenizer, special_tokens_with, train_bpe
 from .distributed import describe, whole_model
 from .export import add_to_record, export_folder, run_record
-from .runlock import releases_run_lock
+from .runlock import LOCK_FILE, holds_run_lock, releases_run_lock
 from .trainer import Trainer
 
 
@@ -38,8 +43,15 @@ def run(args, task, cpu: bool = False, callbacks=None) -> str:
     check_output_dir(args)
     # a folder that cannot start the run stops it here, before the run lock makes its folder
     initial = task.open_init_from() if args.init_from else None
+    with staged(args):
+        return _train(args, task, initial, started, cpu, callbacks)
+
+
+def _train(args, task, initial, started: float, cpu: bool, callbacks) -> str:
     trainer = Trainer(args, cpu=cpu, callbacks=callbacks)  # callbacks: after the built-in ones (callbacks.py)
     accelerator = trainer.accelerator
+    if accelerator.is_main_process:
+        claim_work_dir(args)
     _datasets_bars(trainer.bars)  # datasets' map bars (tokenizing, packing) follow the run's: on a terminal only
     task.say = accelerator.print
     accelerator.print(args.describe())  # the resolved settings, by concern (the main process's)
@@ -76,12 +88,31 @@ def run(args, task, cpu: bool = False, callbacks=None) -> str:
 
 # What a folder holds once a run has been in it: its checkpoints, its log, its exported model and record.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "model.safetensors", "run.json")
+# What a run writes into its folder as it goes (the trackers' last: dvclive's folder, tensorboard's `deriv`), and
+# what its export writes: a folder of the user's (--allow-existing-files) must hold none of these.
+WORK_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "dvclive", "deriv")
+EXPORT_FILES = (
+    *("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "run.json"),
+    *("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "README.md"),
+    *("pipeline_deriv.py", "loss.png", "adapter"),
+)
+
+
+def export_names() -> tuple[str, ...]:
+    """Every top-level name an export may write: the files above and the model code save_pretrained copies."""
+    code = os.path.dirname(inspect.getfile(DerivConfig))
+    files = sorted(name for name in os.listdir(code) if name.endswith(".py") and name != "__init__.py")
+    return EXPORT_FILES + tuple(files)
 
 
 def check_output_dir(args) -> None:
-    """A folder that holds a run is continued (--resume) or replaced (--overwrite), never replaced unasked: a
-    second `deriv train` into it would delete its checkpoints and empty its metrics at step 0."""
+    """May this run write its folder? Never the root, the home folder, the working directory or a mount point;
+    a folder of the user's only with --allow-existing-files, and none of its files replaced; --overwrite
+    replaces a Deriv run only (`folder.target`). A folder that holds a run is continued (--resume) or replaced
+    (--overwrite), never replaced unasked: a second `deriv train` into it would empty its metrics at step 0."""
     folder = args.output_dir
+    check_target(folder, "--output-dir", allow_existing=args.allow_existing_files, replace=args.overwrite)
+    check_no_collision(folder, WORK_FILES + export_names())
     if args.resume or args.overwrite or not os.path.isdir(folder):
         return
     held = [name for name in RUN_FILES if os.path.exists(os.path.join(folder, name))]
@@ -91,6 +122,40 @@ def check_output_dir(args) -> None:
             f"{folder} holds a run ({', '.join(held)}): continue it with --resume, start afresh over it with "
             "--overwrite, or give another --output-dir"
         )
+
+
+@contextmanager
+def staged(args):
+    """--overwrite of a folder that holds something: the run works in a staging folder beside it
+    (`args.work_dir`), and its export swaps the new run in whole; until then the old run, checkpoints included,
+    is untouched. Stopped or failed, the staging folder goes and the old run stays as it was; killed, the next
+    writer of the folder removes it. The main process makes it once it holds the run lock (`claim_work_dir`)."""
+    folder = args.output_dir
+    if not (args.overwrite and os.path.isdir(folder) and os.listdir(folder)):
+        yield
+        return
+    run_args = args.parts["run"]
+    run_args._work_dir = staging_folder(folder)
+    try:
+        yield
+    finally:
+        run_args._work_dir = None
+        if holds_run_lock(folder):  # not a run that stopped at the lock: the folder is another run's
+            end_staging(folder)
+
+
+def claim_work_dir(args) -> None:
+    """Main process, holding the run lock: the folder the run writes into as it goes (the staging folder under
+    --overwrite, made afresh) is marked with the names the run writes there, so the user's files beside them
+    (--allow-existing-files) stay theirs."""
+    if args.work_dir != args.output_dir:
+        start_staging(args.output_dir)
+        try:  # the export carries the held lock into the new run (a link to the same file)
+            os.link(os.path.join(args.output_dir, LOCK_FILE), os.path.join(args.work_dir, LOCK_FILE))
+        except OSError:
+            pass  # a filesystem without hard links: the lock's file goes with the old run at the swap
+    trackers = WORK_FILES[3:] if args.report_to != "none" else ()
+    mark(args.work_dir, WORK_FILES[:3] + trackers)
 
 
 def _datasets_bars(on: bool) -> None:
@@ -107,7 +172,7 @@ def load_or_train_tokenizer(args, texts, accelerator):
     if args.init_from and args.tokenizer:
         raise UsageError("--init-from brings its own tokenizer; leave out --tokenizer (or --init-from).")
     given = args.init_from or args.tokenizer
-    folder = given or os.path.join(args.output_dir, "tokenizer")
+    folder = given or os.path.join(args.work_dir, "tokenizer")
     with accelerator.main_process_first():  # one process trains and saves; the others then load
         # subtle: a given folder may keep a tokenizer with no tokenizer.json (an imported OPUS-MT's SentencePiece)
         if given and tokenizer_file(given) is None:
@@ -159,6 +224,7 @@ def finish(trainer, task, tokenizer, source, data, state_dict, seconds: float) -
         accelerator.print,
         task.pipeline_class,
         outcome.write_files,
+        staging=args.work_dir if args.work_dir != args.output_dir else None,
     )
     scored = task.score_exported(outcome, tokenizer, source, data, metrics)
     if scored is not None:

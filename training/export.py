@@ -131,10 +131,23 @@ def training_record(args, state, seconds: float, exported_step: int, token_kind:
 
 
 def export_folder(
-    output_dir, model, state_dict, tokenizer, record, history, say=print, pipeline_class=None, extras=None
+    output_dir,
+    model,
+    state_dict,
+    tokenizer,
+    record,
+    history,
+    say=print,
+    pipeline_class=None,
+    extras=None,
+    staging=None,
 ) -> None:
     """Weights (safetensors) + model code + tokenizer + generation defaults + run.json + loss.png, written
     into a temporary folder and renamed into place: the files appear together or not at all.
+
+    The run's own files (checkpoints, metrics.jsonl, its tokenizer) come along: from the folder, or, for a run
+    that replaces the run there (--overwrite), from its `staging` folder, and then none of the old run's files
+    are kept (only files of the user's, which Deriv never removes).
 
     With `pipeline_class`, the folder also carries that pipeline (`custom_pipelines` in config.json and
     its code), so `pipeline(model=folder, trust_remote_code=True)` works without this package. `extras(folder)`
@@ -145,7 +158,7 @@ def export_folder(
     if hasattr(tokenizer, "backend_tokenizer"):  # a SentencePiece tokenizer (an imported OPUS-MT's) has none
         tokenizer.backend_tokenizer.no_padding()
         tokenizer.backend_tokenizer.no_truncation()
-    with atomic_directory(output_dir) as tmp:
+    with atomic_directory(output_dir, replace=staging is not None, carry_from=staging) as tmp:
         if pipeline_class is not None:
             # Pipeline.save_pretrained writes custom_pipelines, copies the pipeline module, then saves the
             # model (the gathered state dict passes through) and the tokenizer.

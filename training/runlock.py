@@ -16,6 +16,7 @@ import os
 from filelock import FileLock, Timeout
 
 from ..errors import UsageError
+from ..folder.target import MARKER
 
 
 LOCK_FILE = ".deriv-run.lock"
@@ -63,9 +64,14 @@ def releases_run_lock(train):
     return wrapper
 
 
+def holds_run_lock(output_dir: str) -> bool:
+    """Whether this process holds the run lock of `output_dir`."""
+    return os.path.abspath(output_dir) in _held
+
+
 def release_run_lock(output_dir: str) -> None:
-    """Remove this process's lock; and the folder too if taking the lock created it and the run left it empty
-    (a run refused before any work leaves nothing behind)."""
+    """Remove this process's lock; and the folder too if taking the lock created it and the run left nothing in
+    it but Deriv's marker (a run refused before any work leaves nothing behind)."""
     folder = os.path.abspath(output_dir)
     lock = _held.pop(folder, None)
     if lock is not None:
@@ -78,6 +84,8 @@ def release_run_lock(output_dir: str) -> None:
     if folder in _created:
         _created.discard(folder)
         try:
+            if os.listdir(folder) == [MARKER]:
+                os.remove(os.path.join(folder, MARKER))
             os.rmdir(folder)  # only if empty
         except OSError:
             pass

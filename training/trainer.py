@@ -68,7 +68,7 @@ class Trainer:
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             mixed_precision=choose_mixed_precision(args.mixed_precision, cpu),
             log_with=None if args.report_to == "none" else args.report_to,
-            project_dir=args.output_dir,
+            project_dir=args.work_dir,
             # seedable sampler: the shuffled order is a function of (seed, epoch), so resume can replay it
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
             cpu=cpu,
@@ -85,7 +85,8 @@ class Trainer:
         self.state = TrainerState()
         settings = f"--preset {args.preset} and these flags" if getattr(args, "preset", None) else "these settings"
         self.checkpoints = Checkpoints(self.accelerator, args.checkpoint_dir, args.keep_checkpoints, settings)
-        self.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+        self.metrics_path = os.path.join(args.work_dir, "metrics.jsonl")
+        self.staged = args.work_dir != args.output_dir  # --overwrite: the run is built beside the old one
         self.unread: list[dict] = []  # the device values of the steps since the last `_read`
         self.last_read: dict = {}
         STOP.phase = "while preparing the data"
@@ -149,7 +150,7 @@ class Trainer:
         else:
             self.checkpoints.remove_all()
         accelerator.wait_for_everyone()
-        os.makedirs(args.output_dir, exist_ok=True)
+        os.makedirs(args.work_dir, exist_ok=True)
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -176,7 +177,11 @@ class Trainer:
                     self._after_step(self._step(window))
             self._read()  # the last steps' tokens and loss check, if no callback asked for them
         self.bar.close()
-        STOP.phase = "while exporting (the output folder is as it was; continue with --resume)"
+        STOP.phase = (
+            f"while exporting (--overwrite: {self.args.output_dir} holds the earlier run as it was, or this one whole)"
+            if self.staged
+            else "while exporting (the output folder is as it was; continue with --resume)"
+        )
         self._call("on_train_end")
         return self.state
 
@@ -317,6 +322,12 @@ class Trainer:
         if record is not None:
             self.log(record)
         signal = STOP.received  # checked last: a signal that arrives during the evaluation is heeded at this step
+        if signal is not None and self.staged:  # --overwrite: the new run goes, the old one was never touched
+            self.bar.close()
+            raise TrainingInterrupted(
+                f"{signal} received: stopped; {self.args.output_dir} holds the earlier run as it was (--overwrite "
+                "replaces it only once the new run is exported)"
+            )
         if control.should_save or signal is not None:
             self._read()  # a checkpoint holds no step after a loss that was not a number
             path = self.checkpoints.save(state, self.scheduler, protect=control.keep_step)
