@@ -17,9 +17,10 @@ import torch
 
 from ..errors import MissingFile, UsageError, refused_as_usage
 from ..folder.atomic import atomic_directory
-from ..folder.load import load_weights, read_folder
-from ..folder.target import check_target
+from ..folder.inside import is_regular_inside
+from ..folder.load import checked_files, load_weights, read_folder, read_json
 from ..folder.remote_code import check_tokenizer_code
+from ..folder.target import check_target
 from ..modeling_deriv import DerivForCausalLM, DerivForConditionalGeneration
 from . import gpt2, llama, marian
 
@@ -50,7 +51,7 @@ def source_license(source: str) -> str | None:
     from huggingface_hub import ModelCard
 
     path = os.path.join(source, "README.md") if os.path.isdir(source) else source
-    if os.path.isdir(source) and not os.path.isfile(path):
+    if os.path.isdir(source) and not is_regular_inside(source, "README.md"):  # never a link out, never a FIFO
         return None
     try:
         license = ModelCard.load(path).data.license
@@ -69,11 +70,9 @@ def write_import_card(source: str, tmp: str, out: str | os.PathLike) -> None:
 
 
 def _tokenizer_config(folder: str) -> dict:
-    path = os.path.join(folder, "tokenizer_config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(os.path.join(folder, "tokenizer_config.json")):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(folder, "tokenizer_config.json")  # a regular file inside the folder, a JSON object
 
 
 def _untrained_chat_template(source: str, template: str | None) -> bool:
@@ -314,7 +313,8 @@ def model_type(folder: str | os.PathLike) -> str | None:
     id's through AutoConfig."""
     from transformers import AutoConfig
 
-    if os.path.isdir(folder):
+    if os.path.isdir(folder):  # every input folder passes here first: no link out, no FIFO among what is read
+        checked_files(folder)
         return read_folder(folder).config.get("model_type")
     return AutoConfig.from_pretrained(folder).model_type
 

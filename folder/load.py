@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MissingFile, UsageError
+from .inside import OutsideFolder, check_inside, entry_problem, files_inside, is_regular_inside, read_bytes_inside
 from .remote_code import check_tokenizer_code
 
 
@@ -54,35 +55,65 @@ class ModelFolder:
         return os.path.join(self.path, name)
 
     def has(self, name: str) -> bool:
-        return os.path.isfile(self.file(name))
+        """Whether the folder holds `name` as a regular file inside it (a link out or a FIFO is not held)."""
+        return is_regular_inside(self.path, name)
 
 
-def _read_json(path: str) -> dict:
+def read_json(folder: str | os.PathLike, name: str, object_pairs_hook=None) -> dict:
+    """The JSON object in `folder/name`, read the one way every JSON file of a folder is read: a regular file
+    inside the folder (a link out, a FIFO or a device is refused by name, unopened: `read_bytes_inside`), UTF-8,
+    valid JSON, an object; otherwise one UsageError naming the file.
+
+    subtle: Python's json parser recurses once per nested object or list, so `[[[[...]]]]` 100,000 deep raises
+    RecursionError; that is the file's fault, and refused as such."""
+    path = os.path.join(str(folder), name)
+    data = read_bytes_inside(folder, name)
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path} is not valid JSON: {error}") from error
+        value = json.loads(data.decode("utf-8"), object_pairs_hook=object_pairs_hook)
     except UnicodeDecodeError as error:
         raise UsageError(f"{path} is not valid JSON: not UTF-8 text (byte {error.start})") from error
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{path} is not valid JSON: {error}") from error
+    except RecursionError:  # from None: a thousand frames of the parser say nothing more
+        raise UsageError(f"{path} is nested too deeply (objects or lists within each other) to be read") from None
     if not isinstance(value, dict):
         raise UsageError(f"{path} should hold a JSON object")
     return value
 
 
+def _optional_json(folder: str, name: str) -> dict | None:
+    """`read_json(folder, name)`, or None when there is no such entry at all (a dangling link is refused)."""
+    return read_json(folder, name) if os.path.lexists(os.path.join(folder, name)) else None
+
+
 def read_folder(path: str | os.PathLike) -> ModelFolder:
-    """The folder's config, run record and generation defaults; a clear error if it is no model folder."""
+    """The folder's config, run record and generation defaults; a clear error if it is no model folder, or if one
+    of those files is not a regular file inside it (`folder/inside.py`)."""
     path = str(path)
     if not os.path.isdir(path):
         raise MissingFile(f"No such folder: {path}")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
+    if not os.path.lexists(os.path.join(path, "config.json")):
         raise MissingFile(f"{path} is not a model folder: it has no config.json")
-    config = _read_json(config_path)
-    run = _read_json(os.path.join(path, "run.json")) if os.path.isfile(os.path.join(path, "run.json")) else None
-    gen_path = os.path.join(path, "generation_config.json")
-    generation = _read_json(gen_path) if os.path.isfile(gen_path) else None
-    return ModelFolder(path, config, run, generation)
+    config = read_json(path, "config.json")
+    return ModelFolder(path, config, _optional_json(path, "run.json"), _optional_json(path, "generation_config.json"))
+
+
+def _ignored(rel: str) -> bool:
+    """Whether an upload leaves `rel` out and a load never reads it (IGNORED: checkpoints/, tokenizer/, ...)."""
+    from fnmatch import fnmatch
+
+    return any(fnmatch(rel, pattern) for pattern in IGNORED)
+
+
+def checked_files(folder: str | os.PathLike) -> list[tuple[str, int]]:
+    """(relative path, bytes) of every file of a local folder that a load may read and an upload sends (all but
+    IGNORED), once each is known to be a regular file inside the folder; otherwise OutsideFolder naming every
+    entry that is not (a link out, a dangling link, a folder linked in, a FIFO, a socket, a device).
+
+    subtle: transformers reads whatever files of the folder it looks for (tokenizer files, chat templates,
+    `additional_chat_templates/`, an adapter, the shards an index names), and `upload_folder` sends what links
+    point to; so the rule holds for the whole folder, not for a list of names, before either opens anything."""
+    return files_inside(folder, skip=_ignored)
 
 
 @dataclass
@@ -122,7 +153,8 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
     local = os.path.isdir(folder)
     if not local and (os.path.exists(folder) or os.path.isabs(folder) or folder.startswith(".")):
         raise MissingFile(f"{folder}: no such model folder")
-    if local:  # the type as config.json says it, before any class (or code) is chosen by it
+    if local:  # every entry a load may read is a regular file inside the folder; then the type as config.json says
+        checked_files(folder)  # it, before any class (or code) is chosen by it
         check_model_type(folder, read_folder(folder).config.get("model_type"), trust_remote_code=trust_remote_code)
         check_tokenizer_code(folder, trust_remote_code)  # a tokenizer of its own code: refused, not replaced
 
@@ -148,8 +180,7 @@ def load_folder(path: str | os.PathLike, seq2seq: bool | None = None, trust_remo
         raise unloadable(error) from error
     if local and os.path.isfile(os.path.join(folder, ADAPTER, "adapter_config.json")):
         model = with_adapter(model, folder)
-    record_path = os.path.join(folder, "run.json")
-    record = _read_json(record_path) if local and os.path.isfile(record_path) else None
+    record = _optional_json(folder, "run.json") if local else None
     return LoadedFolder(folder, model, tokenizer, config, record)
 
 
@@ -186,6 +217,7 @@ def check_weight_files(folder: str | os.PathLike) -> None:
     folder = str(folder)
     if not os.path.isdir(folder):
         return
+    checked_files(folder)  # no link out, no FIFO among what the load reads
     names = set(os.listdir(folder))
     if SAFETENSORS[1] in names and SAFETENSORS[0] not in names:
         check_shard_index(folder)
@@ -214,10 +246,11 @@ def check_shard_index(folder: str | os.PathLike) -> dict[str, str]:
     subtle: transformers joins each name in the index to the folder and loads what it finds there, whatever the
     name: `weights.bin` (a pickle), `../other/model.safetensors`, an absolute path, a link out of the folder.
     So each name must be a plain `.safetensors` file name inside the folder (no `..`, no absolute path, no
-    symbolic link that leads out), present, and each tensor named once. Whether the shards hold every tensor the
-    model needs, at its shape, is `load_weights`' check after."""
+    symbolic link that leads out, no FIFO, no NUL), present, and each tensor named once. The index itself is read
+    as every JSON file of a folder is (`read_json`: no link out, no FIFO, not nested past the parser), and must
+    hold the `metadata` object transformers reads beside the map. Whether the shards hold every tensor the model
+    needs, at its shape, is `load_weights`' check after."""
     folder = str(folder)
-    inside = os.path.realpath(folder)
     index = os.path.join(folder, SAFETENSORS[1])
     duplicated: list[str] = []
 
@@ -229,34 +262,37 @@ def check_shard_index(folder: str | os.PathLike) -> dict[str, str]:
             seen[key] = value
         return seen
 
-    try:
-        with open(index, encoding="utf-8") as f:
-            value = json.load(f, object_pairs_hook=unique)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UsageError(f"{index} is not valid JSON: {_cause(error)}") from error
-    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    value = read_json(folder, SAFETENSORS[1], object_pairs_hook=unique)
+    weight_map = value.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise UsageError(f"{index} has no weight_map (tensor name -> shard file)")
+    if not isinstance(value.get("metadata"), dict):  # transformers reads index["metadata"]: a KeyError without it
+        raise UsageError(f'{index} has no "metadata" object (transformers reads it beside the weight_map)')
     if duplicated:
         raise UsageError(f"{index} names {_count(duplicated, 'tensor')} more than once: {_some(sorted(duplicated))}")
     for tensor, name in weight_map.items():
-        where = f"{index}: {tensor!r} is in {name!r}"
-        if not isinstance(name, str) or not name:
-            raise UsageError(f"{index}: {tensor!r} names no shard file")
-        if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-            raise UsageError(f"{where}, a path outside the folder; a shard is a file of the folder itself")
-        if not name.endswith(".safetensors"):
-            raise UsageError(
-                f"{where}, which is not a safetensors file; deriv reads weights from safetensors only (a pickle "
-                "is never opened: unpickling can run code)"
-            )
-        path = os.path.join(folder, name)
-        if os.path.commonpath([inside, os.path.realpath(path)]) != inside:
-            raise UsageError(f"{where}, a link that leads outside the folder; a shard is a file of the folder itself")
-        if not os.path.isfile(path):
-            raise MissingFile(f"{where}, which is not there")
+        _check_shard_name(index, folder, tensor, name)
     _check_shard_headers(index, folder, weight_map)
     return weight_map
+
+
+def _check_shard_name(index: str, folder: str, tensor: str, name) -> None:
+    """One UsageError unless `name`, the shard the index puts `tensor` in, is a safetensors file inside `folder`."""
+    if not isinstance(name, str) or not name:
+        raise UsageError(f"{index}: {tensor!r} names no shard file")
+    where = f"{index}: {tensor!r} is in {name!r}"
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise UsageError(f"{where}, a path outside the folder; a shard is a file of the folder itself")
+    if not name.endswith(".safetensors"):
+        raise UsageError(
+            f"{where}, which is not a safetensors file; deriv reads weights from safetensors only (a pickle "
+            "is never opened: unpickling can run code)"
+        )
+    why = entry_problem(folder, name)
+    if why:
+        raise OutsideFolder(f"{where}, which {why}; a shard is a regular file of the folder itself")
+    if not os.path.isfile(os.path.join(folder, name)):
+        raise MissingFile(f"{where}, which is not there")
 
 
 def _check_shard_headers(index: str, folder: str, weight_map: dict[str, str]) -> None:
@@ -482,17 +518,10 @@ def missing_files(folder: ModelFolder) -> list[str]:
 
 
 def upload_list(folder: ModelFolder) -> list[tuple[str, int]]:
-    """(relative path, bytes) of every file an upload sends, sorted; what IGNORED names is left out."""
-    from fnmatch import fnmatch
-
-    files = []
-    for root, dirs, names in os.walk(folder.path):
-        dirs.sort()
-        for name in sorted(names):
-            rel = os.path.relpath(os.path.join(root, name), folder.path).replace(os.sep, "/")
-            if not any(fnmatch(rel, pattern) for pattern in IGNORED):
-                files.append((rel, os.path.getsize(os.path.join(root, name))))
-    return files
+    """(relative path, bytes) of every file an upload sends, sorted; what IGNORED names is left out. Refuses
+    (OutsideFolder, naming each) a link out, a folder linked in, a FIFO, a socket or a device anywhere else in the
+    folder: nothing a listing shows is anything but a regular file inside it (`checked_files`)."""
+    return checked_files(folder.path)
 
 
 # What `deriv push` publishes: the kinds of file a model folder is made of (weights in safetensors, configs, the
@@ -515,7 +544,7 @@ def unpublishable(folder: ModelFolder, files: list[tuple[str, int]]) -> list[str
         name = os.path.basename(rel)
         if rel.endswith(".py"):
             installed = os.path.join(own_code, name)
-            same = os.path.isfile(installed) and "/" not in rel and _same_bytes(installed, folder.file(rel))
+            same = os.path.isfile(installed) and "/" not in rel and _same_bytes(installed, folder, rel)
             if not same:
                 found.append(f"{rel} (Python that is not this package's own {name}: it would run for every user)")
         elif rel.endswith(PICKLED):
@@ -525,9 +554,9 @@ def unpublishable(folder: ModelFolder, files: list[tuple[str, int]]) -> list[str
     return found
 
 
-def _same_bytes(a: str, b: str) -> bool:
-    with open(a, "rb") as f, open(b, "rb") as g:
-        return f.read() == g.read()
+def _same_bytes(installed: str, folder: ModelFolder, rel: str) -> bool:
+    with open(installed, "rb") as f:
+        return f.read() == read_bytes_inside(folder.path, rel)
 
 
 def check_safetensors(path: str | os.PathLike) -> None:
@@ -535,7 +564,8 @@ def check_safetensors(path: str | os.PathLike) -> None:
 
     safetensors' own `safe_open` reads the header and refuses a file that is too short, whose header is not
     valid, or whose length is not exactly what the header describes: a truncated upload or a torn copy fails
-    here, before a Hub user downloads it. Only the header is read (the tensors are mapped, not loaded).
+    here, before a Hub user downloads it. Only the header is read (the tensors are mapped, not loaded), and only of
+    a regular file inside the folder: a `*.safetensors` that is a link out, a FIFO or a device is refused by name.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -544,7 +574,7 @@ def check_safetensors(path: str | os.PathLike) -> None:
     for name in sorted(os.listdir(path)):
         if not name.endswith(".safetensors"):
             continue
-        file = os.path.join(path, name)
+        file = check_inside(path, name, what="weights")  # a link out is not read, a FIFO not opened (it blocks)
         try:
             with safe_open(file, framework="pt"):
                 pass

@@ -307,7 +307,9 @@ def write_card(
     card = build_card(path, repo_id, license, imported_from)
     target = os.path.join(str(path), "README.md")
     tmp = target + ".partial"
-    with open(tmp, "w", encoding="utf-8") as f:
+    if os.path.lexists(tmp):  # subtle: one left by a killed run, or a link planted there: never written through
+        os.remove(tmp)
+    with open(tmp, "x", encoding="utf-8") as f:
         f.write(card.content)
     os.replace(tmp, target)
     return target

@@ -2,7 +2,9 @@
 
 The steps run in a fresh interpreter that cannot import this package (an import hook hides it, as if it
 were not installed), offline (`HF_HUB_OFFLINE=1`), from an empty working directory, with the dynamic
-module cache in a temporary folder: so they pass only if the folder alone is enough.
+module cache in a temporary folder: so they pass only if the folder alone is enough. Before the process starts,
+every entry of the folder it may read is known to be a regular file inside it (`folder/inside.py`), and a shard
+index to name only shards inside it: the check never reads past the folder, nor blocks on a FIFO.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import tempfile
 import textwrap
 
 from ..errors import MissingFile
-from ..folder.load import check_safetensors, read_folder
+from ..folder.load import SAFETENSORS, check_safetensors, check_shard_index, checked_files, read_folder
 
 
 HIDE_PACKAGE = textwrap.dedent(
@@ -120,8 +122,11 @@ def check_folder(path: str | os.PathLike, timeout: int = 300) -> list[dict]:
     """[{"step", "ok", "detail"}] for config, tokenizer, model, generate and pipeline, in that order; a step that
     never ran (because one it needs failed) is reported as failed with the reason."""
     folder = read_folder(path)
-    if not (folder.has("model.safetensors") or folder.has("model.safetensors.index.json")):
+    checked_files(path)  # the process below reads what it finds: no link out, no FIFO among it
+    if not (folder.has(SAFETENSORS[0]) or folder.has(SAFETENSORS[1])):
         raise MissingFile(f"{path}: model.safetensors is missing, so there is no model to check")
+    if folder.has(SAFETENSORS[1]):
+        check_shard_index(path)
     check_safetensors(path)
     path = os.path.abspath(str(path))
     if folder.is_seq2seq:

@@ -3,12 +3,27 @@
 `--dry-run` checks and lists, and sends nothing. A real push takes the token from the usual places
 (`HF_TOKEN`, or what `hf auth login` stored); without one, or without a network, it fails with a
 message and claims nothing.
+
+What is sent is what was checked, and nothing else: the list is the folder's regular files inside it
+(`folder/inside.py`: a link out, a dangling link, a folder linked in, a FIFO, a socket or a device refuses the
+push by name before anything is opened), and `upload_folder` gets that list as its `allow_patterns`, each name
+escaped, so the library's own walk (which follows links) cannot add a file the check did not see.
 """
 
 from __future__ import annotations
 
+import glob
+
 from ..errors import UsageError
-from ..folder.load import IGNORED, check_safetensors, missing_files, read_folder, unpublishable, upload_list
+from ..folder.load import (
+    SAFETENSORS,
+    check_safetensors,
+    check_shard_index,
+    missing_files,
+    read_folder,
+    unpublishable,
+    upload_list,
+)
 
 
 class PushError(RuntimeError):
@@ -38,19 +53,22 @@ def plan(path: str, repo_id: str) -> tuple[list[tuple[str, int]], list[str]]:
     """(files to upload with sizes, problems); raises for a bad repo id or a folder that is no model."""
     validate_repo_id(repo_id)
     folder = read_folder(path)
-    check_safetensors(path)
-    files = upload_list(folder)
+    files = upload_list(folder)  # every entry a regular file inside the folder, before any is opened
     refused = unpublishable(folder, files)
     if refused:
         raise UsageError(
             f"{path} holds {len(refused)} file{'s' if len(refused) > 1 else ''} a model folder should not publish: "
             f"{'; '.join(refused)}; move them out of the folder (nothing was sent)"
         )
+    if folder.has(SAFETENSORS[1]):  # the shards an index names are inside the folder and hold what it says
+        check_shard_index(path)
+    check_safetensors(path)
     return files, missing_files(folder)
 
 
 def push(path: str, repo_id: str, private: bool = False, revision: str | None = None, say=print) -> str:
-    """Upload the folder (less IGNORED) to `repo_id`; returns the commit URL. Raises PushError on any failure."""
+    """Upload the folder's checked files (`plan`) to `repo_id`, those and no other; returns the commit URL. Raises
+    PushError on any failure."""
     files, problems = plan(path, repo_id)
     if problems:
         raise PushError("The folder is incomplete, nothing was uploaded:\n  " + "\n  ".join(problems))
@@ -75,7 +93,8 @@ def push(path: str, repo_id: str, private: bool = False, revision: str | None = 
             folder_path=path,
             repo_id=repo_id,
             revision=revision,
-            ignore_patterns=list(IGNORED),
+            allow_patterns=[glob.escape(name) for name, _ in files],  # exactly the checked files: `[`, `*`, `?`
+            # in a name match themselves
             commit_message="Upload Deriv model folder",
         )
     except Exception as error:  # network, auth, permissions: huggingface_hub raises many kinds

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_inside_folder import fifo_valve
 
 from deriv_lm.cli import main
 
@@ -167,7 +169,7 @@ def index_names_a_link_out(folder: Path, marker: Path) -> str:
     tensors, weight_map, first = _shard(folder)
     (folder / "linked.safetensors").symlink_to(_elsewhere(folder, tensors, first))
     _write_index(folder, {**weight_map, first: "linked.safetensors"})
-    return "a link that leads outside the folder"
+    return "link that leads outside the folder"
 
 
 def index_lacks_a_tensor(folder: Path, marker: Path) -> str:
@@ -185,6 +187,46 @@ def index_tensor_in_two_shards(folder: Path, marker: Path) -> str:
     save_file(part, folder / other)  # the same tensor, a second time, in the other shard
     _write_index(folder, weight_map)
     return f"{first} ({SHARDS[0]}, {SHARDS[1]})"
+
+
+def index_without_metadata(folder: Path, marker: Path) -> str:
+    _, weight_map, _ = _shard(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return 'no "metadata"'
+
+
+def index_names_with_a_nul(folder: Path, marker: Path) -> str:
+    _, weight_map, first = _shard(folder)
+    _write_index(folder, {**weight_map, first: "model\x00.safetensors"})
+    return "NUL"
+
+
+def index_names_with_a_lone_surrogate(folder: Path, marker: Path) -> str:
+    _, weight_map, first = _shard(folder)
+    _write_index(folder, {**weight_map, first: "model-\ud800.safetensors"})  # json.dumps writes it as \ud800
+    return "lone surrogate"
+
+
+def index_nested_too_deeply(folder: Path, marker: Path) -> str:
+    _shard(folder)
+    deep = '{"a": ' * 100_000 + "1" + "}" * 100_000
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": ' + deep + "}")
+    return "nested too deeply"
+
+
+def index_is_a_fifo(folder: Path, marker: Path) -> str:
+    _shard(folder)
+    os.mkfifo(folder / "model.safetensors.index.json")  # opened, it would block every command for ever
+    return "FIFO"
+
+
+def index_is_a_link_out(folder: Path, marker: Path) -> str:
+    _, weight_map, _ = _shard(folder)
+    other = folder.parent / f"{folder.name}-index"
+    other.mkdir()
+    _write_index(other, weight_map)  # the right index, but a file of another folder
+    (folder / "model.safetensors.index.json").symlink_to(other / "model.safetensors.index.json")
+    return "link that leads outside the folder"
 
 
 def model_type(kind: str):
@@ -212,6 +254,12 @@ SPOILS = {
     "index-link-out": index_names_a_link_out,
     "index-lacks-a-tensor": index_lacks_a_tensor,
     "index-tensor-twice": index_tensor_in_two_shards,
+    "index-no-metadata": index_without_metadata,
+    "index-nul": index_names_with_a_nul,
+    "index-surrogate": index_names_with_a_lone_surrogate,
+    "index-nested": index_nested_too_deeply,
+    "index-fifo": index_is_a_fifo,
+    "index-itself-a-link-out": index_is_a_link_out,
     "type-bert": model_type("bert"),
     "type-gpt2": model_type("gpt2"),
 }
@@ -400,7 +448,9 @@ def test_a_hostile_folder_is_refused_in_one_line_before_anything_is_written(
     base, spoil, command, folders, tmp_path, capsys, monkeypatch, library_log
 ):
     folder, out = folders[f"{base}-{spoil}"], tmp_path / "out"
-    status, stdout, err = run(argv_for(command, folder, folders, out), capsys, monkeypatch)
+    with fifo_valve(folder) as blocked:  # a command that opened the planted FIFO would wait for ever
+        status, stdout, err = run(argv_for(command, folder, folders, out), capsys, monkeypatch)
+    assert blocked == [], "the command blocked on a FIFO"
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not PROGRESS.search(line)]
     assert status == 2, f"exit status {status!r}; stderr: {err[-3000:]}"
     assert "Traceback" not in err
@@ -449,8 +499,9 @@ def test_the_servers_call_refuses_each_hostile_folder_with_one_message(spoil, fo
     from deriv_lm.folder.load import load_folder
 
     folder = folders["mt"] if spoil == "translation" else folders[f"lm-{spoil}"]
-    with pytest.raises((ValueError, FileNotFoundError)) as refused:
+    with pytest.raises((ValueError, FileNotFoundError)) as refused, fifo_valve(folder) as blocked:
         load_folder(folder, seq2seq=False)
+    assert blocked == []
     message = str(refused.value)
     assert "\n" not in message and str(folder) in message
     assert ("translation model" if spoil == "translation" else folders[f"lm-{spoil}:expected"]) in message
