@@ -114,7 +114,11 @@ class RunArguments:
     _argument_group_name: typing.ClassVar[str] = "run: where it goes, how it is observed and saved"
     concern: typing.ClassVar[str] = "run"  # its key in the run record's `arguments`
 
-    output_dir: str = arg("runs/deriv-tiny", "the exported model folder; checkpoints go to OUTPUT_DIR/checkpoints")
+    output_dir: str = arg(
+        "runs/deriv-tiny",
+        "the exported model folder: new, empty or a Deriv run (see --resume, --overwrite, --allow-existing-files); "
+        "checkpoints go to OUTPUT_DIR/checkpoints",
+    )
     preset: str = arg("tiny", "the named configuration the other values start from")
     log_every: int = arg(10, "optimizer steps between training-loss records in metrics.jsonl")
     eval_every: int = arg(100, "optimizer steps between validation passes")
