@@ -95,8 +95,9 @@ class LogMetrics(TrainerCallback):
                 f.writelines(kept)
         if args.report_to != "none":
             config = {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
-            # the trackers that write files write them into the run folder, not the working directory
-            local = {"dvclive": {"dir": os.path.join(args.output_dir, "dvclive"), "save_dvc_exp": False}}
+            # the trackers that write files write them into the run folder (under --overwrite its staging folder), not
+            # the working directory
+            local = {"dvclive": {"dir": os.path.join(args.work_dir, "dvclive"), "save_dvc_exp": False}}
             accelerator.init_trackers("deriv", config=config, init_kwargs=local)
 
     def on_step_end(self, trainer, result: dict, **kwargs) -> None:
