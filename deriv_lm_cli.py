@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         table.build_parser().parse_args(argv)  # exits here for --help, no command or an unknown one
     try:
         from deriv_lm.cli import main as run
-    except KeyboardInterrupt:  # Ctrl-C before any command ran: the same line as a command's
+    except (KeyboardInterrupt, ImportError) as error:  # Ctrl-C before any command ran: the same line as a command's
+        # subtle: a Ctrl-C that lands inside an import can surface as the ImportError it interrupted
+        if not isinstance(error, KeyboardInterrupt) and not isinstance(error.__context__, KeyboardInterrupt):
+            raise
         print("deriv: interrupted (SIGINT)", file=sys.stderr)
         return 130
     code = run(argv)

@@ -287,9 +287,10 @@ def load(ns: argparse.Namespace, device: str):
 
 
 def warm_decode_loop(model, generation, loop: str, folder: str) -> None:
-    """Switch the folder's generation config to the decode loop and run it once, greedily, before the server
-    listens: the compile happens now, not in the first request, and a setting of the folder's the loop cannot run
-    is one line now, not a failed request later."""
+    """Switch the folder's generation config to the decode loop and run it once greedily and once sampling before
+    the server listens: both graphs compile now, not in the first request of each kind (every sampling setting is
+    an input of the one sampling graph), and a setting of the folder's the loop cannot run is one line now, not a
+    failed request later."""
     import torch
 
     from .modeling_deriv.decode_loop import DecodeLoopUnsupported
@@ -298,7 +299,9 @@ def warm_decode_loop(model, generation, loop: str, folder: str) -> None:
     prompt = torch.tensor([[model.generation_config.bos_token_id or 0]], device=model.device)
     try:
         with torch.no_grad():
-            model.generate(prompt, generation_config=generation, max_new_tokens=2, do_sample=False)
+            for sample in (False, True):
+                extra = {"temperature": 1.0} if sample else {}  # a folder's temperature may be 0 (greedy)
+                model.generate(prompt, generation_config=generation, max_new_tokens=2, do_sample=sample, **extra)
     except DecodeLoopUnsupported as error:
         raise UsageError(f"--decode-loop cannot serve {folder} with its generation_config.json: {error}") from None
 

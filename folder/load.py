@@ -492,7 +492,7 @@ TOKENIZER_FILES = ("tokenizer.json", "source.spm", "spiece.model", "tokenizer.mo
 
 def tokenizer_file(path: str | os.PathLike) -> str | None:
     """The file of `TOKENIZER_FILES` the folder holds (its vocabulary), or None when it has no tokenizer."""
-    return next((name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))), None)
+    return next((name for name in TOKENIZER_FILES if is_regular_inside(path, name)), None)
 
 
 def missing_files(folder: ModelFolder) -> list[str]:

@@ -379,3 +379,28 @@ def test_the_card_is_never_written_through_a_planted_link(complete, tmp_path):
     assert main(["card", str(folder)]) == 0
     assert victim.read_bytes() == before and not (folder / "README.md.partial").exists()
     assert (folder / "README.md").read_text().startswith("---\n")
+
+
+@pytest.mark.parametrize("kind", ["link-out", "fifo"])
+def test_a_training_tokenizer_folder_with_a_planted_entry_is_refused_before_it_is_read(kind, tmp_path, capsys):
+    """`deriv train lm --tokenizer DIR` (and a resumed run's `tokenizer/`, the same call) reads the folder through
+    transformers: a tokenizer_config.json that is a link out or a FIFO is refused by name, and nothing is written."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DATA / "numbers_lm" / name, folder / name)
+    planted_name = "tokenizer_config.json"
+    (folder / planted_name).unlink()
+    if kind == "link-out":
+        secret = tmp_path / "secret.json"
+        secret.write_text("{}")
+        (folder / planted_name).symlink_to(secret)
+    else:
+        os.mkfifo(folder / planted_name)
+    out = tmp_path / "out"
+    argv = ["train", "lm", "--tokenizer", str(folder), "--output-dir", str(out), "--max-steps", "1", "--cpu"]
+    with fifo_valve(folder) as opened:
+        line = cli_error([*argv, "--no-progress"], capsys)
+    assert planted_name in line and ("link" in line or "FIFO" in line), line
+    assert not opened
+    assert not out.exists()

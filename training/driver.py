@@ -25,7 +25,7 @@ from accelerate.utils import DistributedType
 
 from ..errors import MissingFile, UsageError
 from ..folder.atomic import end_staging, staging_folder, start_staging
-from ..folder.load import tokenizer_file
+from ..folder.load import checked_files, tokenizer_file
 from ..folder.remote_code import check_tokenizer_code
 from ..folder.target import check_no_collision, check_target, mark
 from ..modeling_deriv import DerivConfig
@@ -187,6 +187,7 @@ def load_or_train_tokenizer(args, texts, accelerator):
                 f"tokenizer: {summary.vocab_size} ids from {summary.characters / 1e6:.2f} M characters "
                 f"in {summary.seconds:.2f} s -> {folder}"
             )
+        checked_files(folder)  # a link out or a FIFO among its files: refused by name, never read (folder/inside.py)
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     if len(tokenizer) != args.vocab_size:
         # The model's vocabulary is the tokenizer's; record the size that was used, not the one asked for.
