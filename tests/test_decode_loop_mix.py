@@ -19,10 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ServerThread
-from test_decode_loop import GREEDY, compiles, prompt, tiny
-from transformers import LogitsProcessorList
-
-from deriv_lm.modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+from hostile import generate_setting, sampling_setting
+from test_decode_loop import compiles, prompt, tiny
 
 
 SETTINGS = 50
@@ -45,21 +43,6 @@ def fresh_compiler():
     torch._dynamo.reset()
 
 
-def library_setting(i: int) -> dict:
-    """The i-th of fifty distinct settings of generate(): every fifth greedy (penalties only), the others sampling
-    with temperature, top-k, top-p, min-p and the three penalties, each varying."""
-    penalties = LogitsProcessorList()
-    if i % 3:
-        penalties.append(PresencePenaltyLogitsProcessor(round(-1.5 + 0.06 * i, 3)))
-    if i % 4:
-        penalties.append(FrequencyPenaltyLogitsProcessor(round(1.2 - 0.05 * i, 3)))
-    setting = {"repetition_penalty": 1.0 + 0.03 * i, "logits_processor": penalties}
-    if i % 5 == 0:
-        return {**setting, **GREEDY}
-    sampled = {"temperature": 0.3 + 0.03 * i, "top_k": (7 * i) % 60, "top_p": 1.0 - 0.012 * i, "min_p": 0.002 * i}
-    return {**setting, **sampled, "do_sample": True, "pad_token_id": 0}
-
-
 @compiles
 def test_fifty_settings_in_a_row_compile_the_step_three_times_at_most(fresh_compiler, caplog):
     """Fifty distinct settings through the compiled loop: three graphs at most (before: eight, then every new setting
@@ -67,7 +50,7 @@ def test_fifty_settings_in_a_row_compile_the_step_three_times_at_most(fresh_comp
     model, ids = tiny("gpt2", seed=6), prompt(1, 6, seed=10)
     before = compiled_graphs()
     for i in range(SETTINGS):
-        setting = library_setting(i)
+        setting = generate_setting(i)
         torch.manual_seed(i)
         got = model.generate(ids, max_new_tokens=12, eos_token_id=None, decode_loop="compiled", **setting)
         assert got.shape == (1, 6 + 12)
@@ -79,19 +62,9 @@ def test_fifty_settings_in_a_row_compile_the_step_three_times_at_most(fresh_comp
 
 
 def request(i: int) -> dict:
-    """The i-th of the server's distinct settings: temperature, top_p, the two penalties and the seed vary, every
-    tenth is greedy; every seventeenth asks for what the API refuses (a 400 naming the field, not the loop's)."""
-    body = {"model": "numbers", "prompt": "5 3 1 8 :", "max_tokens": 8, "seed": i}
-    body |= {"temperature": round(0.02 + 0.0197 * i, 4), "top_p": round(1.0 - 0.0095 * i, 4)}  # i < 100
-    if i % 3 == 0:
-        body["presence_penalty"] = round(-2.0 + 0.04 * i, 2)
-    if i % 4 == 0:
-        body["frequency_penalty"] = round(2.0 - 0.04 * i, 2)
-    if i % 10 == 9:
-        body["temperature"] = 0
-    if i % 17 == 16:
-        body["temperature"] = 2.5
-    return body
+    """The i-th of the server's distinct settings (`hostile.sampling_setting`: every tenth greedy, every
+    seventeenth what the API refuses, a 400 naming the field, not the loop's) in a completion request."""
+    return {"model": "numbers", "prompt": "5 3 1 8 :", "max_tokens": 8} | sampling_setting(i)
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile import fifo_valve
 from safetensors.torch import load_file, save_file
-from test_inside_folder import fifo_valve
 
 from deriv_lm.cli import main
 

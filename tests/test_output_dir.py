@@ -4,7 +4,8 @@ A folder that holds files Deriv did not write is refused without `--allow-existi
 are kept and never replaced; `--overwrite` replaces a Deriv run only; the filesystem root, the home folder, the
 working directory (or a folder that holds it) and a mount point are refused whatever the flags; the carry-over of
 an existing folder takes no link out, FIFO, socket or entry of another filesystem. Every tree is planted in a
-temporary folder: root, home and mount point are simulated (HOME set, `target`'s own tests patched), never real.
+temporary folder: root, home and mount point are simulated (HOME set, `target`'s own tests patched), never real;
+the folder of the user's, the run and the places never written are tests/hostile.py's, for every writer to come.
 
 The slow tier interrupts `deriv train lm --overwrite` into a run at several points (data, training, after a
 checkpoint, export, after the swap; SIGINT and SIGKILL): the folder is the old run byte for byte, or the new
@@ -24,29 +25,13 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_error
+from hostile import NEVER_WRITTEN, earlier_run, foreign_folder, never_place
 
 from deriv_lm.errors import UsageError
 from deriv_lm.folder import atomic, target
 from deriv_lm.folder.atomic import atomic_directory, staging_folder
 from deriv_lm.training.args import TrainingArguments
 from deriv_lm.training.driver import check_output_dir
-
-
-def plant_foreign(folder: Path) -> Path:
-    """A folder of the user's: a note and a subfolder of data."""
-    (folder / "data").mkdir(parents=True)
-    (folder / "notes.txt").write_text("mine\n")
-    (folder / "data" / "a.csv").write_text("1,2\n")
-    return folder
-
-
-def plant_run(folder: Path) -> Path:
-    """A Deriv run as an earlier version left it (no marker): a run record and a checkpoint."""
-    (folder / "checkpoints" / "step-0000004").mkdir(parents=True)
-    (folder / "checkpoints" / "step-0000004" / "COMPLETE").write_text("step 4\n")
-    (folder / "run.json").write_text(json.dumps({"schema_version": 4, "task": "lm"}))
-    (folder / "model.safetensors").write_bytes(b"old weights")
-    return folder
 
 
 def snapshot(folder: Path) -> dict[str, object]:
@@ -85,7 +70,7 @@ def write_version(folder, name="config.json", **options) -> None:
 
 
 def test_a_folder_of_the_users_is_refused_without_consent_and_left_as_it_was(tmp_path, capsys):
-    folder = plant_foreign(tmp_path / "mine")
+    folder = foreign_folder(tmp_path / "mine")
     before = snapshot(folder)
     assert "--allow-existing-files" in refused(folder) and "notes.txt" in refused(folder)
     line = cli_error(["train", "lm", "--output-dir", str(folder), "--max-steps", "1"], capsys)
@@ -99,7 +84,7 @@ def test_a_folder_of_the_users_is_refused_without_consent_and_left_as_it_was(tmp
 
 
 def test_overwrite_never_takes_a_folder_of_the_users_even_with_consent(tmp_path, capsys):
-    folder = plant_foreign(tmp_path / "mine")
+    folder = foreign_folder(tmp_path / "mine")
     before = snapshot(folder)
     for flags in ({"overwrite": True}, {"overwrite": True, "allow_existing_files": True}):
         assert "--overwrite replaces a run Deriv wrote" in refused(folder, **flags)
@@ -111,7 +96,7 @@ def test_overwrite_never_takes_a_folder_of_the_users_even_with_consent(tmp_path,
 
 
 def test_with_consent_deriv_writes_beside_the_users_files_and_never_over_them(tmp_path):
-    folder = plant_foreign(tmp_path / "mine")
+    folder = foreign_folder(tmp_path / "mine")
     check_output_dir(train_args(folder, allow_existing_files=True))  # allowed
     before = snapshot(folder)
     write_version(folder, "model.safetensors", allow_existing=True)
@@ -130,7 +115,7 @@ def test_with_consent_deriv_writes_beside_the_users_files_and_never_over_them(tm
 
 
 def test_with_consent_a_run_that_would_replace_a_file_of_the_users_stops_before_any_work(tmp_path, capsys):
-    folder = plant_foreign(tmp_path / "mine")
+    folder = foreign_folder(tmp_path / "mine")
     (folder / "README.md").write_text("# my project\n")
     (folder / "metrics.jsonl").write_text("{}\n")
     before = snapshot(folder)
@@ -146,7 +131,7 @@ def test_with_consent_a_run_that_would_replace_a_file_of_the_users_stops_before_
 def test_a_run_is_a_deriv_folder_with_or_without_the_marker(tmp_path):
     """A run an earlier version wrote (no marker) is Deriv's: --overwrite and --resume take it; a run.json that is
     no run record does not make a folder Deriv's."""
-    run = plant_run(tmp_path / "run")
+    run = earlier_run(tmp_path / "run")
     check_output_dir(train_args(run, overwrite=True))
     check_output_dir(train_args(run, resume=True))
     assert "holds a run" in refused(run)
@@ -164,52 +149,18 @@ def test_a_run_is_a_deriv_folder_with_or_without_the_marker(tmp_path):
 # ---- never: the root, the home folder, the working directory, a mount point ----------------------------------
 
 
-def never_places(kind: str, tmp_path: Path, monkeypatch) -> Path:
-    """A planted folder that plays `kind` (nothing real is touched): the user's files, and a run's too where that
-    does not make it Deriv's (the working directory is refused as a folder of the user's)."""
-    folder = plant_foreign(tmp_path / "place")
-    (folder / "sub").mkdir()
-    if "working directory" not in kind:
-        plant_run(folder)
-    if kind == "root":
-        monkeypatch.setattr(target, "is_filesystem_root", lambda real: real == str(folder.resolve()))
-    elif kind in ("home", "a folder holding home"):
-        monkeypatch.setenv("HOME", str(folder if kind == "home" else folder / "sub"))
-    elif kind == "mount point":
-        monkeypatch.setattr(target, "is_mount_point", lambda path: os.path.abspath(path) == str(folder))
-    elif kind == "link":
-        os.symlink(folder, tmp_path / "link")
-        return tmp_path / "link"
-    elif kind == "working directory":
-        monkeypatch.chdir(folder)
-    else:
-        monkeypatch.chdir(folder / "sub")
-    return folder
-
-
-NEVER = {
-    "root": "is the filesystem root",
-    "home": "is your home folder",
-    "a folder holding home": "holds your home folder",
-    "working directory": "is the working directory",
-    "a folder holding the working directory": "holds the working directory",
-    "mount point": "is a mount point",
-    "link": "is a symbolic link",
-}
-
-
-@pytest.mark.parametrize("kind", list(NEVER))
+@pytest.mark.parametrize("kind", list(NEVER_WRITTEN))
 def test_the_root_home_working_directory_and_mount_points_are_never_written(kind, tmp_path, monkeypatch, capsys):
-    folder = never_places(kind, tmp_path, monkeypatch)
+    folder = never_place(kind, tmp_path, monkeypatch)
     before = snapshot(folder)
     for flags in ({}, {"allow_existing_files": True}, {"overwrite": True}, {"resume": True}):
-        assert NEVER[kind] in refused(folder, **flags), flags
+        assert NEVER_WRITTEN[kind] in refused(folder, **flags), flags
     line = cli_error(["train", "lm", "--output-dir", str(folder), "--allow-existing-files"], capsys)
-    assert NEVER[kind] in line and "deriv never writes a folder there" in line
+    assert NEVER_WRITTEN[kind] in line and "deriv never writes a folder there" in line
     line = cli_error(["tokenizer", "train", "--out", str(folder), "--allow-existing-files"], capsys)
-    assert NEVER[kind] in line
+    assert NEVER_WRITTEN[kind] in line
     for options in ({"allow_existing": True}, {"replace": True}, {"carry_first": True}):
-        with pytest.raises(UsageError, match=NEVER[kind]):
+        with pytest.raises(UsageError, match=NEVER_WRITTEN[kind]):
             write_version(folder, **options)
     assert snapshot(folder) == before
     assert not [n for n in os.listdir(tmp_path) if ".partial-" in n]
@@ -217,7 +168,7 @@ def test_the_root_home_working_directory_and_mount_points_are_never_written(kind
 
 def test_a_run_resumed_from_inside_its_own_folder_is_no_take_over(tmp_path, monkeypatch):
     """The working directory may be a Deriv folder: continuing the run you stand in takes over nothing."""
-    run = plant_run(tmp_path / "run")
+    run = earlier_run(tmp_path / "run")
     monkeypatch.chdir(run)
     check_output_dir(train_args(run, resume=True))
     check_output_dir(train_args(".", resume=True))
@@ -230,7 +181,7 @@ def test_export_import_and_quantize_refuse_a_folder_they_may_not_write(tmp_path,
     from deriv_lm.convert.onnx import export_onnx
     from deriv_lm.convert.quantize import quantize_folder
 
-    mine = plant_foreign(tmp_path / "mine")
+    mine = foreign_folder(tmp_path / "mine")
     mount = tmp_path / "mount"
     mount.mkdir()
     os.symlink(tmp_path / "empty", tmp_path / "link")
@@ -496,7 +447,7 @@ def test_a_run_with_consent_keeps_the_users_files_through_training_and_overwrite
 
     from deriv_lm.training import train_lm
 
-    folder = plant_foreign(tmp_path / "mine")
+    folder = foreign_folder(tmp_path / "mine")
     before = snapshot(folder)
     args = tiny_args(tmp_path, old_run.files[0], output_dir=str(folder), max_steps=4, save_every=4)
     args.allow_existing_files = True
