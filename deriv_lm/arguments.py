@@ -142,7 +142,9 @@ def model_folder(text: str) -> str:
     """An argparse type: a model folder (one that holds config.json) or a Hub name. A path that is not there, or a
     folder without config.json, is refused as the line is parsed, before torch or transformers is imported."""
     if os.path.isdir(text):
-        if not os.path.isfile(os.path.join(text, "config.json")):
+        # subtle: lexists, not isfile: a config.json that is a FIFO or a link out is there, and the reader refuses
+        # it naming what it is (folder/inside.py); "it has no config.json" would send the user looking for a file
+        if not os.path.lexists(os.path.join(text, "config.json")):
             raise argparse.ArgumentTypeError(f"{text} is not a model folder: it has no config.json")
         return text
     if looks_local(text):

@@ -372,11 +372,13 @@ def check_servable(folder: str | os.PathLike) -> str:
     naming the folder and the problem."""
     from transformers import AutoConfig
 
+    from .folder.load import checked_files
     from .modeling_deriv import DerivConfig
 
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise MissingFile(f"{folder}: no such model folder")
+    checked_files(folder)  # before transformers reads config.json: no link out, no FIFO among what it reads
     try:
         config = AutoConfig.from_pretrained(folder)  # Deriv's types are registered: no remote code runs
     except Exception as error:

@@ -42,9 +42,11 @@ def _folder_error(error: Exception) -> SystemExit:
 
 
 def run_card(ns: argparse.Namespace) -> int:
+    from ..folder.load import checked_files
     from .card import write_card
 
     try:
+        checked_files(ns.folder)  # the card is for publishing it: what push would refuse, refused before writing
         path = write_card(ns.folder, ns.repo_id, ns.license)
     except (FileNotFoundError, ValueError) as error:
         raise _folder_error(error) from error

@@ -194,15 +194,20 @@ def test_the_valve_releases_and_reports_a_reader(tmp_path):
     assert opened == []
 
 
-def test_the_card_is_never_written_through_a_planted_link(complete, tmp_path):
-    """`deriv card` writes README.md.partial and renames it into place: a link planted under that name is replaced,
-    never written through (the file it points to is left as it was)."""
+def test_the_card_is_never_written_through_a_planted_link(complete, tmp_path, capsys):
+    """`write_card` (under `deriv card`, the export and the import) writes README.md.partial and renames it into
+    place: a link planted under that name is replaced, never written through (the file it points to is left as it
+    was). `deriv card` refuses the folder first, naming the link, as it refuses any entry push would."""
+    from deriv_lm.hub_card import write_card
+
     folder = tmp_path / "lm"
     shutil.copytree(complete, folder)
     victim = outside_folder(folder) / "passwd"
     before = victim.read_bytes()
     (folder / "README.md.partial").symlink_to(victim)
-    assert main(["card", str(folder)]) == 0
+    line = cli_error(["card", str(folder)], capsys)
+    assert "README.md.partial" in line and "outside the folder" in line, line
+    write_card(folder)
     assert victim.read_bytes() == before and not (folder / "README.md.partial").exists()
     assert (folder / "README.md").read_text().startswith("---\n")
 

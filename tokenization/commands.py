@@ -123,10 +123,12 @@ def _stamp(folder: str) -> tuple[int, int] | None:
 def _load(folder: str):
     from transformers import AutoTokenizer
 
+    from ..folder.load import checked_files
     from ..folder.remote_code import check_tokenizer_code
 
     if not os.path.isdir(folder):
         raise UsageError(f"{folder}: no such tokenizer folder")
+    checked_files(folder)  # transformers reads whatever tokenizer files it finds: no link out, no FIFO among them
     check_tokenizer_code(folder, consent=None)  # a tokenizer of the folder's own code: refused, never asked about
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)

@@ -134,8 +134,9 @@ def run_explore(ns: argparse.Namespace) -> int:
     if not os.path.isdir(ns.folder):
         raise MissingFile(f"{ns.folder}: no such model folder (deriv explore opens one on this machine)")
     require_extra("serve", "deriv explore", SERVE_MODULES)
-    from ..folder.load import check_model_type, read_folder
+    from ..folder.load import check_model_type, checked_files, read_folder
 
+    checked_files(ns.folder)  # no link out, no FIFO among what the load will read: refused before listening
     check_model_type(ns.folder, read_folder(ns.folder).config.get("model_type"), consent=None)
     device = resolve_device(ns.device)
     sock = listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
@@ -211,9 +212,12 @@ def _positions(ns):
 def _tokens(ns):
     from transformers import AutoTokenizer
 
+    from ..folder.load import checked_files
     from ..folder.remote_code import check_tokenizer_code
     from .pictures import MAX_TOKENS_DRAWN, token_split
 
+    if os.path.isdir(ns.folder):  # transformers reads whatever tokenizer files it finds: no link out, no FIFO
+        checked_files(ns.folder)
     check_tokenizer_code(ns.folder, ns.trust_remote_code)  # its own code: only with --trust-remote-code
     try:
         tokenizer = AutoTokenizer.from_pretrained(ns.folder, trust_remote_code=ns.trust_remote_code)
@@ -241,8 +245,11 @@ def _temperature(ns):
 
 
 def _curves(ns):
+    from ..folder.load import checked_files
     from .pictures import curves
 
+    if os.path.isdir(ns.folder):  # a metrics.jsonl that is a link out or a FIFO: refused by name, never opened
+        checked_files(ns.folder)
     try:
         return curves(ns.folder, ns.out)
     except FileNotFoundError as error:
