@@ -134,7 +134,7 @@ def served_folder(args, model, folder: str) -> str:
 
 def measure_server(args, folder: str, flags: tuple[str, ...], texts: list[str]) -> tuple[float, float, float]:
     """(requests/s, new tokens/s, median latency in s) of --clients clients against `deriv serve FOLDER *flags`."""
-    from ..serve import ServerProcess
+    from ..serving.client import ServerProcess
 
     server = ServerProcess(folder, *flags, log=os.path.join(folder, "serve.log"))
     try:

@@ -6,8 +6,10 @@
 
 The endpoints, the request checks and the limits are in `serving/app.py` and `serving/protocol.py`; decoding is
 transformers' own (`generate()`, or its continuous batching over a paged KV cache: `serving/engines.py`). This
-file is the command: it checks everything it can before the server listens (the extra, the device, the address,
-the folder), so a mistake is one line and exit status 2, then serves until Ctrl-C or SIGTERM.
+file is the command, the CLI's face of `serving/`: it checks everything it can before the server listens (the
+extra, the device, the address, the folder), so a mistake is one line and exit status 2, then serves until Ctrl-C
+or SIGTERM. What `deriv explore` shares with it (the flags, the device, the socket, uvicorn) is `serving/server.py`;
+nothing imports this file but the CLI.
 
 The contract (docs/serving.md): one model, the folder the server was started with, loaded from safetensors
 with Deriv's installed classes (no remote code, no pickle, a LoRA adapter merged); nothing loads or unloads it
@@ -23,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import time
 
-from .arguments import BODY_SECONDS, MAX_HEADER_BYTES, integer, invalid_text, model_folder, number
+from .arguments import BODY_SECONDS, integer, invalid_text, model_folder, number
 from .errors import MissingFile, UsageError
+from .serving import server
+from .serving.server import MAX_BODY_BYTES, add_server_arguments, require_serve_extra
 
 
 # transformers sizes the paged cache of continuous batching from the memory left on the device: on a GPU that is
@@ -36,10 +38,6 @@ from .errors import MissingFile, UsageError
 CPU_SEQUENCES = 32
 CPU_BATCH_TOKENS = 2048
 PAGE_SIZE = 256  # ContinuousBatchingConfig.page_size's default: positions per block
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: a message far longer than any context this package trains, far below the RAM
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-SERVE_MODULES = ("fastapi", "uvicorn", "pydantic")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Needs the serve extra: pip install 'deriv-lm[serve]'."
     )
     parser.add_argument("folder", type=model_folder, help="an exported Deriv language-model folder")
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)"
-    )
-    parser.add_argument("--port", type=integer(minimum=1, maximum=65535), default=8000)
+    add_server_arguments(parser, port=8000, max_body_bytes=MAX_BODY_BYTES)  # --host --port --device ...: both servers'
     parser.add_argument(
         "--served-model-name",
         type=served_name,
@@ -80,12 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"most tokens in one packed step (default on the CPU: {CPU_BATCH_TOKENS})",
     )
     parser.add_argument(
-        "--max-body-bytes",
-        type=integer(minimum=1024),
-        default=MAX_BODY_BYTES,
-        help=f"the largest request body; a larger one gets 413 before it is read (default: {MAX_BODY_BYTES})",
-    )
-    parser.add_argument(
         "--read-timeout",
         type=number(above=0, maximum=3600),
         default=BODY_SECONDS,
@@ -105,7 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="requests decoded or waiting at once; more get 429 (default: 64)",
     )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, ... (default: auto)")
     parser.add_argument(
         "--decode-loop",
         choices=("compiled", "eager"),
@@ -116,27 +104,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto: the weights' own"
     )
-    parser.add_argument(
-        "--log-level",
-        default="warning",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="the server's log level (info shows each request)",
-    )
     parser.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace) -> int:
     check_flags(ns)
-    check_extra()
-    device = resolve_device(ns.device)
-    sock = listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
+    require_serve_extra("deriv serve")
+    device = server.resolve_device(ns.device)
+    sock = server.listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
     ns.port = sock.getsockname()[1]  # the one the OS chose for --port 0
     try:
         served = load(ns, device)
     except BaseException:
         sock.close()
         raise
-    print(f"deriv serve: {served.name} ({ns.folder}) on {url(ns.host, ns.port)}/v1 (Ctrl-C stops it)", flush=True)
+    address = server.url(ns.host, ns.port)
+    print(f"deriv serve: {served.name} ({ns.folder}) on {address}/v1 (Ctrl-C stops it)", flush=True)
     try:
         serve(served, sock, ns.log_level)
     finally:
@@ -176,63 +159,6 @@ def check_flags(ns: argparse.Namespace) -> None:
             f"{' and '.join(sized)} size the paged cache of --continuous-batching, which is off: add "
             "--continuous-batching, or leave them out"
         )
-
-
-def check_extra() -> None:
-    """The serve extra, importable, or one line with its pip line (openai, in the extra for the tests' client, is
-    not needed to serve)."""
-    from .errors import require_extra
-
-    require_extra("serve", "deriv serve", SERVE_MODULES)
-
-
-def resolve_device(name: str) -> str:
-    """`auto` as the accelerator torch has (else the CPU); any other name checked against this torch build."""
-    import torch
-
-    if name == "auto":
-        return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as error:
-        raise UsageError(f"--device {name!r} is not a device torch knows ({error}); try cpu or cuda") from None
-    if device.type == "cpu":
-        return name
-    backend = getattr(torch, device.type, None)
-    available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
-    if not available:
-        raise UsageError(
-            f"--device {name}: this torch ({torch.__version__}) has no usable {device.type} device; use --device "
-            "cpu, or install a torch build for your accelerator"
-        )
-    count = backend.device_count() if hasattr(backend, "device_count") else 1
-    if device.index is not None and device.index >= count:
-        raise UsageError(f"--device {name}: there are {count} {device.type} device(s), numbered from 0")
-    return name
-
-
-def listen(host: str, port: int):
-    """A listening socket on host:port; one line naming the address if it cannot be resolved or bound."""
-    import socket
-
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError) as error:
-        raise UsageError(f"--host {host!r} cannot be resolved ({error}); try 127.0.0.1 or 0.0.0.0") from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as error:
-        sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-    sock.setblocking(False)
-    return sock
-
-
-def url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def load(ns: argparse.Namespace, device: str):
@@ -310,61 +236,7 @@ def serve(served, sock, log_level: str = "warning") -> None:
     """The OpenAI app on `sock` until SIGINT or SIGTERM."""
     from .serving.app import build_app
 
-    run_server(build_app(served), sock, log_level)
-
-
-def run_server(app, sock, log_level: str = "warning") -> None:
-    """uvicorn serving the ASGI `app` on `sock` until SIGINT or SIGTERM (both a graceful stop: requests in flight
-    get 5 s to finish); Ctrl-C then raises KeyboardInterrupt, SIGTERM returns. `deriv serve` and `deriv explore`
-    both end this way."""
-    import uvicorn
-
-    config = server_config(app, log_level)
-    # subtle: after its graceful stop uvicorn raises the signal it caught again, for the handler it found; these
-    # handlers take it, so SIGTERM (docker stop, systemd) ends in exit status 0 and Ctrl-C as every command's does
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig)) for sig in STOP_SIGNALS}
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if signal.SIGINT in received:
-        raise KeyboardInterrupt
-
-
-def server_config(app, log_level: str = "warning", **options):
-    """uvicorn's settings for both servers: a graceful stop of 5 s; h11's parser, which bounds the request line and
-    headers (`MAX_HEADER_BYTES`: a larger header block is refused 431 before any route sees it), in the connection
-    of `serving/connection.py`, which answers what breaks HTTP itself in one log line; and the servers' own log
-    records at --log-level, beside uvicorn's (`log_config`)."""
-    import uvicorn
-
-    from .serving.connection import GuardedH11Protocol
-
-    options.setdefault("log_config", log_config(log_level))
-    return uvicorn.Config(
-        app,
-        log_level=log_level,
-        timeout_graceful_shutdown=5,
-        access_log=log_level in ("info", "debug"),
-        http=GuardedH11Protocol,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        **options,
-    )
-
-
-def log_config(log_level: str) -> dict:
-    """uvicorn's logging, with the servers' own loggers (`deriv_lm.serve`, `deriv_lm.explore`) on its handler at
-    `log_level`. subtle: without it their records had no handler, and Python's last resort shows warnings and errors
-    only: the INFO line of a client that hangs up mid-body (docs/serving.md) never reached the log."""
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["deriv_lm"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
-    return config
+    server.run_server(build_app(served), sock, log_level)
 
 
 def check_servable(folder: str | os.PathLike) -> str:
@@ -398,124 +270,3 @@ def cpu_batching_options(context: int, device: str) -> dict:
     if device != "cpu":
         return {}
     return {"num_blocks": -(-CPU_SEQUENCES * context // PAGE_SIZE), "max_batch_tokens": CPU_BATCH_TOKENS}
-
-
-class ServerProcess:
-    """`deriv serve FOLDER` (or, with `command="explore"`, `deriv explore FOLDER`) in a child process on a free
-    loopback port, for tests and benchmarks: started (and waited for, until `/health` answers) on construction,
-    spoken to with `send`, `post` and `stream` (over the standard library's HTTP client, as `curl` would), stopped
-    with `stop` (SIGTERM, as Ctrl-C)."""
-
-    def __init__(
-        self,
-        folder: str | os.PathLike,
-        *flags: str,
-        log: str | os.PathLike,
-        timeout: float = 120,
-        command: str = "serve",
-    ):
-        import socket
-        import subprocess
-        import sys
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.folder, self.log, self.command = os.fspath(folder), log, command
-        argv = [sys.executable, "-m", "deriv_lm.cli", command, self.folder, "--port", str(self.port), *flags]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        self._wait_until_healthy(timeout)
-
-    def log_tail(self, characters: int = 3000) -> str:
-        with open(self.log, encoding="utf-8", errors="replace") as f:
-            return f.read()[-characters:]
-
-    def _wait_until_healthy(self, timeout: float) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"deriv {self.command} exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"deriv {self.command} did not answer /health in {timeout} s:\n{self.log_tail()}")
-
-    def _open(self, path: str, body: dict):
-        import json
-        import urllib.request
-
-        data = json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
-        return urllib.request.urlopen(request, timeout=300)
-
-    def send(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-        """Any request, as raw bytes: (HTTP status, the reply's JSON or None, its headers). Errors are returned,
-        not raised, for the tests that send what a careless or hostile client would."""
-        status, payload, reply_headers, _ = send_request(self.port, method, path, body, headers)
-        return status, payload, reply_headers
-
-    def post(self, path: str, body: dict) -> dict:
-        import json
-
-        with self._open(path, body) as reply:
-            return json.loads(reply.read())
-
-    def stream(self, path: str, body: dict) -> list[dict]:
-        """The server-sent events of a streaming request, decoded, up to `[DONE]` or the end of the reply."""
-        import json
-
-        events = []
-        with self._open(path, {**body, "stream": True}) as reply:
-            if reply.headers.get_content_type() != "text/event-stream":
-                raise ValueError(f"expected server-sent events, got {reply.headers.get_content_type()}")
-            for line in reply:
-                line = line.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                payload = line.removeprefix("data:").strip()
-                if payload == "[DONE]":
-                    break
-                events.append(json.loads(payload))
-        return events
-
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM, then the exit status (a kill, and -9, if it has not stopped within `timeout` seconds)."""
-        import subprocess
-
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
-def send_request(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """One request to a server on this machine's loopback `port`, as raw bytes: (HTTP status, the reply's JSON or
-    None, its headers, its raw bytes). Errors are returned, not raised."""
-    import http.client
-    import json
-
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        reply = connection.getresponse()
-        raw = reply.read()
-    finally:
-        connection.close()
-    try:
-        payload = json.loads(raw) if raw else None
-    except ValueError:
-        payload = None
-    return reply.status, payload, dict(reply.getheaders()), raw

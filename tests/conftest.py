@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from deriv_lm import DerivConfig, DerivForCausalLM
-from deriv_lm.serve import ServerProcess
+from deriv_lm.serving.client import ServerProcess
 
 
 TINY = dict(
@@ -191,9 +191,10 @@ class ServerThread(ServerProcess):
         import uvicorn
 
         from deriv_lm import serve
+        from deriv_lm.serving import server
 
         self.folder, self.command = str(folder), command
-        self.sock = serve.listen("127.0.0.1", 0)
+        self.sock = server.listen("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         parser = argparse.ArgumentParser()
@@ -219,7 +220,7 @@ class ServerThread(ServerProcess):
         self._handler.addFilter(lambda r: r.thread == self.thread.ident or r.thread not in ServerThread.running)
         # the commands' own uvicorn settings; log_config=None: uvicorn leaves logging as it is, so its records
         # reach the handler below
-        self.runner = uvicorn.Server(serve.server_config(app, log_config=None))
+        self.runner = uvicorn.Server(server.server_config(app, log_config=None))
         self.thread = threading.Thread(target=self.runner.run, kwargs={"sockets": [self.sock]}, daemon=True)
         logging.getLogger().addHandler(self._handler)
         self.thread.start()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ServerThread, cli_error, greedy_numbers_folder
 
-from deriv_lm.serve import ServerProcess, send_request
+from deriv_lm.serving.client import ServerProcess, send_request
 from deriv_lm.tokenization.bpe import CHAT_TEMPLATE
 from deriv_lm.tokenization.chat_template import (
     MAX_SECONDS,

@@ -12,8 +12,8 @@ import json
 import pytest
 from conftest import SERVED_MESSAGES, ServerThread, cli_error, greedy_numbers_folder, served_reference
 
-from deriv_lm import serve
 from deriv_lm.cli import main
+from deriv_lm.serving.server import listen
 
 
 NEW_TOKENS = 12
@@ -86,7 +86,7 @@ def test_a_folder_setting_the_loop_cannot_run_is_one_line(ngram_folder, capsys):
 
 def test_deriv_serve_refuses_such_a_folder_before_it_listens(ngram_folder, capsys):
     pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
-    sock = serve.listen("127.0.0.1", 0)  # a free port
+    sock = listen("127.0.0.1", 0)  # a free port
     port = str(sock.getsockname()[1])
     sock.close()
     line = cli_error(["serve", str(ngram_folder), "--port", port, "--decode-loop", "eager"], capsys)

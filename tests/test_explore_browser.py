@@ -1,10 +1,10 @@
 """`deriv explore` in a real browser: a person's keys and mouse on the page, the numbers the Python API gives.
 
 Each folder of tests/data (the numbers language model and the numbers translation model) is served by its own
-`deriv explore` child process (`deriv_lm.serve.ServerProcess`), and one headless Debian Chromium (tests/chromium.py)
-opens the page afresh in each test. The page keeps every number as the server's float in data attributes
-(`data-probability`, `data-row`, ...), so what it shows is compared exactly, not as parsed text. The references are
-computed here, in this process, from the same folder: the tokenizer, `viz.attention.attention_maps`,
+`deriv explore` child process (`deriv_lm.serving.client.ServerProcess`), and one headless Debian Chromium
+(tests/chromium.py) opens the page afresh in each test. The page keeps every number as the server's float in data
+attributes (`data-probability`, `data-row`, ...), so what it shows is compared exactly, not as parsed text. The
+references are computed here, in this process, from the same folder: the tokenizer, `viz.attention.attention_maps`,
 `compute.next_token`, and `generate()` itself.
 
 Without Chromium, ChromeDriver or selenium the module skips with the reason, except under DERIV_REQUIRE_BROWSER=1
@@ -33,7 +33,7 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer  # noqa: E402
 
-from deriv_lm.serve import ServerProcess  # noqa: E402
+from deriv_lm.serving.client import ServerProcess  # noqa: E402
 from deriv_lm.viz.attention import attention_maps, load_eager  # noqa: E402
 from deriv_lm.viz.explorer import compute  # noqa: E402
 

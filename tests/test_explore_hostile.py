@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ServerThread, cli_error
 
-from deriv_lm.serve import ServerProcess, send_request
+from deriv_lm.serving.client import ServerProcess, send_request
 
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
@@ -400,7 +400,7 @@ def _would_serve(*args, **kwargs):
 @pytest.fixture
 def refusing(monkeypatch):
     """A refusal that did not happen fails here instead of serving (and hanging the test)."""
-    monkeypatch.setattr("deriv_lm.serve.run_server", _would_serve)
+    monkeypatch.setattr("deriv_lm.serving.server.run_server", _would_serve)
 
 
 def test_it_refuses_a_missing_folder_a_hub_name_a_file_and_a_folder_without_config(tmp_path, capsys, refusing):

@@ -58,17 +58,17 @@ def complete(tmp_path_factory) -> Path:
 def no_server(monkeypatch):
     """`deriv serve` and `deriv explore` never serve here: they listen on a port the OS chooses, and a folder they
     failed to refuse ends the command instead of blocking it. Yields the addresses served."""
-    import deriv_lm.serve
+    from deriv_lm.serving import server
 
     served = []
-    listen = deriv_lm.serve.listen
+    listen = server.listen
 
     def record(app, sock, level="warning"):
         served.append(sock.getsockname())
         sock.close()
 
-    monkeypatch.setattr(deriv_lm.serve, "listen", lambda host, port: listen(host, 0))
-    monkeypatch.setattr(deriv_lm.serve, "run_server", record)
+    monkeypatch.setattr(server, "listen", lambda host, port: listen(host, 0))
+    monkeypatch.setattr(server, "run_server", record)
     return served
 
 

@@ -4,7 +4,7 @@ The hostile side (a table of bad requests, the soak, a dying batching worker) is
 this file is what a well-behaved client gets, and what the command refuses before it listens.
 
 Each server is `deriv serve` in its own process on 127.0.0.1, started and stopped by the fixture
-(`deriv_lm.serve.ServerProcess`); the client is the standard library's, speaking the OpenAI protocol as `curl`
+(`deriv_lm.serving.client.ServerProcess`); the client is the standard library's, speaking the OpenAI protocol as `curl`
 would. The folder is the numbers model of tests/data (digits in, number words out: each prompt has a different
 continuation, so a reply that is not the prompt's own cannot match), with its chat template and role tokens,
 and greedy generation defaults: the same settings for the server, for the server with continuous batching (which
@@ -23,7 +23,7 @@ import torch
 from conftest import SERVED_MESSAGES, cli_error, greedy_numbers_folder, served_reference
 from transformers import AutoModelForCausalLM
 
-from deriv_lm.serve import ServerProcess
+from deriv_lm.serving.client import ServerProcess
 
 
 # `deriv serve` in child processes; generate() and continuous batching behind it

@@ -25,7 +25,7 @@ import torch
 from conftest import SERVED_MESSAGES, ServerThread, greedy_numbers_folder, served_reference
 from transformers import GenerationConfig
 
-from deriv_lm.serve import ServerProcess
+from deriv_lm.serving.client import ServerProcess
 
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")

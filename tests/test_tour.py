@@ -233,7 +233,7 @@ def explore(folder: str, tmp_path: Path) -> None:
     """`deriv explore FOLDER` in a child process: the page is served and the folder's model analyzes a text."""
     import json
 
-    from deriv_lm.serve import ServerProcess
+    from deriv_lm.serving.client import ServerProcess
 
     server = ServerProcess(folder, command="explore", log=tmp_path / "explore.log")
     try:
@@ -254,7 +254,7 @@ def missing_extra(line: str) -> str | None:
 
 def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch, capsys, offline, tiny_tokenizer):
     """Every README command, in order, in one folder; the lines in INSTEAD as that table says."""
-    from deriv_lm.serve import ServerProcess
+    from deriv_lm.serving.client import ServerProcess
 
     monkeypatch.chdir(tmp_path)
     server, done, skipped = None, [], []

@@ -86,8 +86,8 @@ def add_picture_arguments(pic: argparse.ArgumentParser) -> None:
 
 
 def add_explore_arguments(parser: argparse.ArgumentParser) -> None:
-    """`deriv explore FOLDER [--host --port --device --log-level]`."""
-    from ..serve import MAX_BODY_BYTES
+    """`deriv explore FOLDER [--host --port --device --max-body-bytes --log-level]`."""
+    from ..serving.server import MAX_BODY_BYTES, add_server_arguments
 
     parser.description = (
         "Open a local web page on a Deriv folder (decoder, translation, chat-tuned, imported or int8): its tokens "
@@ -96,25 +96,7 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> None:
         "serve extra: pip install 'deriv-lm[serve]'."
     )
     parser.add_argument("folder", type=local_model_folder, help="a Deriv model folder on this machine")
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for all)"
-    )
-    parser.add_argument(
-        "--port", type=integer(minimum=1, maximum=65535), default=8008, help="port to listen on (default: 8008)"
-    )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps, ... (default: auto)")
-    parser.add_argument(
-        "--max-body-bytes",
-        type=integer(minimum=1024, maximum=MAX_BODY_BYTES),
-        default=EXPLORE_BODY_BYTES,
-        help=f"the largest request body; a larger one gets 413 before it is read (default: {EXPLORE_BODY_BYTES})",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="warning",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="the server's log level (info shows each request)",
-    )
+    add_server_arguments(parser, port=8008, max_body_bytes=EXPLORE_BODY_BYTES, body_limit=MAX_BODY_BYTES)
     parser.set_defaults(func=run_explore)
 
 
@@ -129,17 +111,17 @@ def local_model_folder(text: str) -> str:
 def run_explore(ns: argparse.Namespace) -> int:
     """Check everything that can be checked before listening (the extra, the folder's type, the device, the
     address), then load the folder and serve the page until Ctrl-C or SIGTERM."""
-    from ..serve import SERVE_MODULES, listen, resolve_device, run_server, url
+    from ..serving import server
 
     if not os.path.isdir(ns.folder):
         raise MissingFile(f"{ns.folder}: no such model folder (deriv explore opens one on this machine)")
-    require_extra("serve", "deriv explore", SERVE_MODULES)
+    server.require_serve_extra("deriv explore")
     from ..folder.load import check_model_type, checked_files, read_folder
 
     checked_files(ns.folder)  # no link out, no FIFO among what the load will read: refused before listening
     check_model_type(ns.folder, read_folder(ns.folder).config.get("model_type"), consent=None)
-    device = resolve_device(ns.device)
-    sock = listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
+    device = server.resolve_device(ns.device)
+    sock = server.listen(ns.host, ns.port)  # the address first: a port in use is found in a blink, not after loading
     ns.port = sock.getsockname()[1]  # the one the OS chose for --port 0
     try:
         from .explorer.app import build_app
@@ -151,8 +133,8 @@ def run_explore(ns: argparse.Namespace) -> int:
         sock.close()
         raise
     name = os.path.basename(os.path.normpath(ns.folder))
-    print(f"deriv explore: {name} ({ns.folder}) on {url(ns.host, ns.port)} (Ctrl-C stops it)", flush=True)
-    run_server(app, sock, ns.log_level)
+    print(f"deriv explore: {name} ({ns.folder}) on {server.url(ns.host, ns.port)} (Ctrl-C stops it)", flush=True)
+    server.run_server(app, sock, ns.log_level)
     return 0
 
 

@@ -1,6 +1,6 @@
 """uvicorn's HTTP/1.1 connection (h11), changed where its answer to a broken request was wrong for these servers.
 
-Both Deriv servers (`deriv serve`, `deriv explore`) run on it (`serve.server_config`). Two things go wrong in
+Both Deriv servers (`deriv serve`, `deriv explore`) run on it (`server.server_config`). Two things go wrong in
 uvicorn's own protocol when a request breaks HTTP itself, before or while the app answers it:
 
 - **A header block larger than h11 buffers** (`MAX_HEADER_BYTES`, arriving in pieces: a header of 1 MB) was a 400

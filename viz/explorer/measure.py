@@ -82,7 +82,7 @@ def measure_folder(folder: str, repeats: int) -> list[dict]:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    from ...serve import ServerProcess
+    from ...serving.client import ServerProcess
     from .browser import quit_chromium, start_chromium
 
     rows = []
