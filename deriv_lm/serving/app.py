@@ -31,18 +31,7 @@ from starlette.exceptions import HTTPException
 
 from ..tokenization.chat_template import ChatTemplateError, render_chat
 from .engines import END, Job, JobFailed
-from .guard import (
-    BODY_SECONDS,
-    MAX_HEADER_BYTES,
-    ClientGone,
-    HostCheck,
-    gone,
-    header_bytes,
-    header_refusal,
-    host_of,
-    read_json,
-    require_json,
-)
+from .guard import BODY_SECONDS, ClientGone, Guard, HostCheck, gone, read_json, require_json
 from .protocol import ChatRequest, CompletionRequest, RequestError, Sampling, error_body, parse
 
 
@@ -477,25 +466,12 @@ def build_app(served: Served):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    return HostGuard(app, HostCheck(served.host, served.port, served.allowed_hosts))
+    return Guard(app, HostCheck(served.host, served.port, served.allowed_hosts), refusal)
 
 
-class HostGuard:
-    """ASGI middleware around the whole app: a request whose headers are over MAX_HEADER_BYTES is refused 431, one
-    whose Host header does not name this server 400 (`guard.HostCheck`: DNS rebinding), in the OpenAI error
-    shape, before any route or body is read."""
-
-    def __init__(self, app, check: HostCheck):
-        self.app, self.check = app, check
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and header_bytes(scope) > MAX_HEADER_BYTES:
-            body = error_body(header_refusal(header_bytes(scope)), "invalid_request_error", code="headers_too_large")
-            return await JSONResponse(body, status_code=431)(scope, receive, send)
-        if scope["type"] == "http" and not self.check.allowed(host_of(scope)):
-            body = error_body(self.check.refusal(host_of(scope)), "invalid_request_error", code="invalid_host")
-            return await JSONResponse(body, status_code=400)(scope, receive, send)
-        return await self.app(scope, receive, send)
+def refusal(message: str, code: str) -> dict:
+    """The guard's refusals (`guard.Guard`: headers too large, a Host not this server's) in the OpenAI error shape."""
+    return error_body(message, "invalid_request_error", code=code)
 
 
 def _model_card(served: Served) -> dict:

@@ -20,6 +20,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..arguments import BODY_SECONDS, MAX_HEADER_BYTES
@@ -28,7 +29,7 @@ from .protocol import RequestError, first_invalid_text
 
 logger = logging.getLogger("deriv_lm.serve")
 
-__all__ = ["BODY_SECONDS", "MAX_HEADER_BYTES", "ClientGone", "HostCheck", "read_json", "require_json"]
+__all__ = ["BODY_SECONDS", "MAX_HEADER_BYTES", "ClientGone", "Guard", "HostCheck", "read_json", "require_json"]
 
 
 class HostCheck:
@@ -63,6 +64,54 @@ class HostCheck:
 
     def refusal(self, header: str) -> str:
         return f"Host {header[:100] or '(none)'!r} is not this server's address; open {self.home}"
+
+
+class Guard:
+    """ASGI middleware around a whole app (outside even its 500 handler), the one both servers wrap theirs in: a
+    request whose headers are over MAX_HEADER_BYTES is refused 431, one whose Host header does not name this server
+    400 (`HostCheck`: DNS rebinding), before any route or body is read.
+
+    `refusal(message, code)` is the app's error body (the OpenAI shape for `deriv serve`, the explorer's own);
+    `code` is `headers_too_large` or `invalid_host`. `headers(path)`, if given, are headers every reply to `path`
+    carries, refusals included (the explorer's CSP); a header of that name the app set is replaced."""
+
+    def __init__(
+        self,
+        app,
+        check: HostCheck,
+        refusal: Callable[[str, str], dict],
+        headers: Callable[[str], list[tuple[bytes, bytes]]] | None = None,
+    ):
+        self.app, self.check, self.refusal, self.headers = app, check, refusal, headers
+
+    async def __call__(self, scope, receive, send):
+        from starlette.responses import JSONResponse
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.headers is not None:
+            send = with_headers(send, self.headers(scope["path"]))
+        if header_bytes(scope) > MAX_HEADER_BYTES:
+            body = self.refusal(header_refusal(header_bytes(scope)), "headers_too_large")
+            return await JSONResponse(body, status_code=431)(scope, receive, send)
+        host = host_of(scope)
+        if not self.check.allowed(host):
+            body = self.refusal(self.check.refusal(host), "invalid_host")
+            return await JSONResponse(body, status_code=400)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def with_headers(send, extra: list[tuple[bytes, bytes]]):
+    """`send`, with `extra` in the reply's headers (replacing any of the same names)."""
+    names = {name for name, _ in extra}
+
+    async def send_with(message):
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
+            message = {**message, "headers": kept + extra}
+        await send(message)
+
+    return send_with
 
 
 def header_bytes(scope) -> int:

@@ -31,17 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.exceptions import HTTPException
 
 from ...errors import UsageError
-from ...serving.guard import (
-    MAX_HEADER_BYTES,
-    ClientGone,
-    HostCheck,
-    gone,
-    header_bytes,
-    header_refusal,
-    host_of,
-    read_json,
-    require_json,
-)
+from ...serving.guard import ClientGone, Guard, HostCheck, gone, read_json, require_json
 from ...serving.protocol import RequestError, is_branch, json_type
 from . import compute
 from .compute import MAX_STEPS, MAX_TEMPERATURE, MAX_TOP, MIN_TEMPERATURE, PENALTY_LIMIT
@@ -277,43 +267,13 @@ def build_app(ex, host: str, port: int, max_body_bytes: int):
         body = await body_of(request, MergesBody)
         return await model_call(compute.merges, body.id)
 
-    return Guard(app, host, port)
+    return Guard(app, HostCheck(host, port), lambda message, code: error_body(message), security_headers)
 
 
-class Guard:
-    """ASGI middleware around the whole app (outside even its 500 handler): a request whose Host header does not
-    name this server is refused 400, and every reply gets the security headers.
-
-    subtle: DNS rebinding is a page on evil.example whose name is then pointed at 127.0.0.1: its scripts reach
-    this server as same-origin, but their Host header still says evil.example. A name is accepted only if it
-    cannot be rebound that way: localhost, the --host given, or an IP address literal, with this server's port
-    (`serving.guard.HostCheck`, `deriv serve`'s check too)."""
-
-    def __init__(self, app, host: str, port: int):
-        self.app, self.check = app, HostCheck(host, port)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        extra = [
-            (b"content-security-policy", CSP.encode()),
-            (b"x-content-type-options", b"nosniff"),
-        ]
-        if scope["path"].startswith("/api/") or scope["path"] == "/health":
-            extra.append((b"cache-control", b"no-store"))
-
-        async def send_guarded(message):
-            if message["type"] == "http.response.start":
-                names = {name for name, _ in extra}
-                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in names]
-                message = {**message, "headers": kept + extra}
-            await send(message)
-
-        if header_bytes(scope) > MAX_HEADER_BYTES:
-            refusal = JSONResponse(error_body(header_refusal(header_bytes(scope))), status_code=431)
-            return await refusal(scope, receive, send_guarded)
-        host = host_of(scope)
-        if not self.check.allowed(host):
-            refusal = JSONResponse(error_body(self.check.refusal(host)), status_code=400)
-            return await refusal(scope, receive, send_guarded)
-        return await self.app(scope, receive, send_guarded)
+def security_headers(path: str) -> list[tuple[bytes, bytes]]:
+    """What every reply carries, refusals included (`serving.guard.Guard` adds them): the page's CSP, nosniff, and
+    no-store on the API, whose answers are the model's of the moment."""
+    extra = [(b"content-security-policy", CSP.encode()), (b"x-content-type-options", b"nosniff")]
+    if path.startswith("/api/") or path == "/health":
+        extra.append((b"cache-control", b"no-store"))
+    return extra
