@@ -28,6 +28,7 @@ import os
 
 from .arguments import BODY_SECONDS, integer, invalid_text, model_folder, number
 from .errors import MissingFile, UsageError
+from .inference.sampling import add_decode_loop_argument
 from .serving import server
 from .serving.server import MAX_BODY_BYTES, add_server_arguments, require_serve_extra
 
@@ -94,12 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="requests decoded or waiting at once; more get 429 (default: 64)",
     )
-    parser.add_argument(
-        "--decode-loop",
-        choices=("compiled", "eager"),
-        default=None,
-        help="decode each request in Deriv's loop, the whole step compiled into one graph (compiled at start; no "
-        "frequency_penalty; not with --continuous-batching)",
+    add_decode_loop_argument(
+        parser,
+        "decode each request in Deriv's loop, the whole step compiled into one graph (compiled at start; not with "
+        "--continuous-batching)",
     )
     parser.add_argument(
         "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="auto: the weights' own"

@@ -14,6 +14,9 @@ from ..errors import UsageError
 
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty")
+# subtle: `modeling_deriv.decode_loop.LOOPS`, which the parser cannot import without torch (`deriv generate --help`
+# answers at once); tests/test_decode_loop_commands.py holds the two equal
+DECODE_LOOPS = ("compiled", "eager")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +32,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frequency-penalty", type=penalty, default=0.0)
     parser.add_argument("--greedy", action="store_true", help="no sampling: the most likely token each step")
     parser.add_argument("--seed", type=integer(minimum=0, maximum=MAX_SEED), default=0)
-    parser.add_argument(
-        "--decode-loop",
-        choices=("compiled", "eager"),
-        default=None,
-        help="decode in Deriv's loop, the whole step compiled into one graph (greedy or sampling; see docs/model.md)",
+    add_decode_loop_argument(
+        parser,
+        "decode in Deriv's loop, the whole step compiled into one graph (greedy or sampling; see docs/model.md)",
     )
+
+
+def add_decode_loop_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """--decode-loop, as `generate`, `chat` and `serve` take it: one of the loop's names, or unset for generate()'s
+    own loop."""
+    parser.add_argument("--decode-loop", choices=DECODE_LOOPS, default=None, help=help)
 
 
 def sampling_options(ns: argparse.Namespace) -> dict:
@@ -63,17 +70,11 @@ def wanted_new_tokens(options: dict, model) -> int:
 
 
 def penalty_processors(ns: argparse.Namespace):
-    """The presence and frequency penalties (OpenAI's), which `generate()` has no option for."""
-    from transformers import LogitsProcessorList
+    """The presence and frequency penalties (OpenAI's), which `generate()` has no option for: the processors
+    `decode_loop.penalty_processors` states once."""
+    from ..modeling_deriv.decode_loop import penalty_processors
 
-    from ..modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
-
-    processors = LogitsProcessorList()
-    if ns.presence_penalty:
-        processors.append(PresencePenaltyLogitsProcessor(ns.presence_penalty))
-    if ns.frequency_penalty:
-        processors.append(FrequencyPenaltyLogitsProcessor(ns.frequency_penalty))
-    return processors
+    return penalty_processors(ns.presence_penalty, ns.frequency_penalty)
 
 
 @contextlib.contextmanager

@@ -136,6 +136,14 @@ def check_processors(processors) -> None:
         raise unsupported(f"the logits processors {names} in this order (each at most once, in the order {order})")
 
 
+def penalty_processors(presence: float = 0.0, frequency: float = 0.0) -> LogitsProcessorList:
+    """The OpenAI API's presence and frequency penalties as the processors a caller gives generate(), each only when
+    it is not 0, in the step's order: the one statement of the rule `deriv generate`, `chat`, `serve` and `explore`
+    follow, so what any of them passes this loop runs."""
+    values = {PresencePenaltyLogitsProcessor: presence, FrequencyPenaltyLogitsProcessor: frequency}
+    return LogitsProcessorList(kind(values[kind]) for kind in SUPPORTED_PROCESSORS if values.get(kind))
+
+
 def checked_every_block(criterion) -> bool:
     """A stopping criterion that ends the whole request from the host (a client that left, a deadline) says so with
     `checked_every_block = True`; the loop asks it every CHECK_EVERY tokens instead of every token."""

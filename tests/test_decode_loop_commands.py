@@ -165,3 +165,51 @@ def test_a_request_the_loop_refuses_runs_in_generate_said_once(server, reference
     log = server.log_tail(10**6)
     assert log.count("generate() runs this request") == 1 and "NoRepeatNGramLogitsProcessor" in log
     assert "Traceback" not in log
+
+
+def test_the_flag_offers_exactly_the_loops_the_loop_runs():
+    """--decode-loop's choices are a copy (the parser cannot import torch): a loop added or renamed in
+    decode_loop.LOOPS without the flag, or the other way round, fails here."""
+    from deriv_lm.inference.sampling import DECODE_LOOPS
+    from deriv_lm.modeling_deriv.decode_loop import LOOPS
+
+    assert DECODE_LOOPS == LOOPS
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 0.0), (0.5, 0.0), (0.0, -1.5), (1.0, 2.0)])
+def test_every_surface_builds_the_penalties_the_loop_runs(presence, frequency):
+    """deriv generate, chat, serve and explore take their penalties from one rule (decode_loop.penalty_processors):
+    the processors are the same, in the order the loop accepts, each only when it is not 0."""
+    import argparse
+
+    from deriv_lm.inference.sampling import penalty_processors
+    from deriv_lm.modeling_deriv.decode_loop import check_processors
+    from deriv_lm.viz.explorer.compute import _user_processors
+
+    def described(processors) -> list[tuple[str, float]]:
+        return [(type(p).__name__, next(v for k, v in vars(p).items() if k.endswith("_penalty"))) for p in processors]
+
+    expected = [(name, value) for name, value in (("Presence", presence), ("Frequency", frequency)) if value]
+    expected = [(f"{name}PenaltyLogitsProcessor", value) for name, value in expected]
+    cli = penalty_processors(argparse.Namespace(presence_penalty=presence, frequency_penalty=frequency))
+    page = _user_processors({"presence_penalty": presence, "frequency_penalty": frequency})
+    assert described(cli) == described(page) == expected
+    check_processors(cli)  # in the loop's order: it would refuse them otherwise
+    served = served_processors(presence, frequency)
+    assert described(served or []) == expected and (served is None) == (not expected)
+
+
+def served_processors(presence: float, frequency: float):
+    """The processors `deriv serve` hands its engine for a request with these penalties."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
+    from types import SimpleNamespace
+
+    from deriv_lm.serving.app import sampling_settings
+    from deriv_lm.serving.protocol import CompletionRequest
+
+    generation = SimpleNamespace(do_sample=False)
+    served = SimpleNamespace(generation=generation, engine=SimpleNamespace(batching=False))
+    request = CompletionRequest.model_validate(
+        {"prompt": "1", "presence_penalty": presence, "frequency_penalty": frequency}
+    )
+    return sampling_settings(served, request)[1]

@@ -104,18 +104,9 @@ def sampling_settings(served: Served, request: Sampling) -> tuple[dict, Any]:
             sampling["temperature"] = request.temperature
         if request.top_p is not None:
             sampling["top_p"] = request.top_p
-    processors = None
-    if request.presence_penalty or request.frequency_penalty:
-        from transformers import LogitsProcessorList
+    from ..modeling_deriv.decode_loop import penalty_processors  # the rule, stated once
 
-        from ..modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
-
-        processors = LogitsProcessorList()
-        if request.presence_penalty:
-            processors.append(PresencePenaltyLogitsProcessor(request.presence_penalty))
-        if request.frequency_penalty:
-            processors.append(FrequencyPenaltyLogitsProcessor(request.frequency_penalty))
-    return sampling, processors
+    return sampling, penalty_processors(request.presence_penalty, request.frequency_penalty) or None
 
 
 def _batch_can_honour(served: Served, request: Sampling, greedy: bool) -> None:

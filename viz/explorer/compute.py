@@ -378,14 +378,9 @@ def check_settings(ex: Explorer, settings: dict | None) -> dict:
 
 def _user_processors(settings: dict) -> list:
     """The penalties, which generate() takes as a user's `logits_processor` list."""
-    from ...modeling_deriv import FrequencyPenaltyLogitsProcessor, PresencePenaltyLogitsProcessor
+    from ...modeling_deriv.decode_loop import penalty_processors  # the rule, stated once
 
-    processors = []
-    if settings["presence_penalty"]:
-        processors.append(PresencePenaltyLogitsProcessor(settings["presence_penalty"]))
-    if settings["frequency_penalty"]:
-        processors.append(FrequencyPenaltyLogitsProcessor(settings["frequency_penalty"]))
-    return processors
+    return list(penalty_processors(settings["presence_penalty"], settings["frequency_penalty"]))
 
 
 def _folder_processors(ex: Explorer) -> list[tuple[str, object]]:
