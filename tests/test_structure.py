@@ -37,15 +37,62 @@ def imported_modules(tree: ast.AST):
                 yield node.lineno, alias.name, []
 
 
-def test_library_code_never_imports_a_commands_module():
+def package_of(path: pathlib.Path) -> str:
+    """The dotted package a source file's relative imports start from, as installed (`viz/explorer/app.py` is in
+    `deriv_lm.viz.explorer`, `deriv_lm/serving/app.py` in `deriv_lm.serving`)."""
+    parts = path.relative_to(ROOT).parent.parts
+    return ".".join(parts if parts[0] == "deriv_lm" else ("deriv_lm", *parts))
+
+
+def absolute_imports(path: pathlib.Path, tree: ast.AST):
+    """(line, module) for each module a file imports, relative imports resolved; `from X import name` gives X and
+    X.name both, since the name may be a module."""
+    package = package_of(path).split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            yield node.lineno, module
+            for alias in node.names:
+                yield node.lineno, f"{module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+
+
+def is_command_module(module: str) -> bool:
+    """A command module, the CLI's face of its room: a room's `commands.py`, or `deriv_lm/serve.py` (the `deriv serve`
+    command, whose library is `serving/`)."""
+    return module == "deriv_lm.serve" or (module.startswith("deriv_lm.") and module.endswith(".commands"))
+
+
+def test_nothing_but_the_cli_imports_a_command_module():
+    """Library code, and command modules too, import the rooms, never a command: what two commands share lives in a
+    room (the servers' plumbing and client in `serving/`), so no command depends on another's flags or process."""
     offenders = []
     for path, tree in sources(*ROOMS):
-        if path.name in ("commands.py", "cli.py"):
-            continue  # a command module may use another room's command module; the library may not
-        for line, module, names in imported_modules(tree):
-            if module.split(".")[-1] == "commands" or "commands" in names:
-                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module or names}")
+        if path == ROOT / "deriv_lm" / "cli.py":
+            continue
+        for line, module in absolute_imports(path, tree):
+            if is_command_module(module) and module != f"{package_of(path)}.{path.stem}":
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert offenders == []
+
+
+def test_the_command_module_check_resolves_relative_imports():
+    """The check above sees through every spelling of an import of a command module (a mutant of `absolute_imports`
+    that misses one fails here)."""
+    cases = {
+        ("viz/explorer/measure.py", "from ...serve import ServerProcess"): "deriv_lm.serve",
+        ("bench/serving.py", "from .. import serve"): "deriv_lm.serve",
+        ("deriv_lm/serving/app.py", "from ..inference.commands import run"): "deriv_lm.inference.commands",
+        ("viz/pictures.py", "from .commands import _done"): "deriv_lm.viz.commands",
+        ("training/lm.py", "import deriv_lm.serve"): "deriv_lm.serve",
+    }
+    for (where, source), wanted in cases.items():
+        found = {module for _, module in absolute_imports(ROOT / where, ast.parse(source))}
+        assert wanted in found and is_command_module(wanted), (where, source, found)
+    assert not is_command_module("deriv_lm.serving.server") and not is_command_module("deriv_lm.serving")
 
 
 def test_rooms_import_each_other_relatively():
@@ -95,7 +142,8 @@ def import_mirror(parent: pathlib.Path) -> pathlib.Path:
 
 def test_the_import_contracts_hold(tmp_path):
     """pyproject's [tool.importlinter] contracts: the rooms' layers, the model room importing no other, nothing
-    importing the CLI, training importing neither bench nor viz, and no cycle between siblings at any depth."""
+    importing the CLI, nothing but the CLI importing a command module, training importing neither bench nor viz,
+    and no cycle between siblings at any depth."""
     import os
     import shutil
     import subprocess
