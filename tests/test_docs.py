@@ -136,3 +136,42 @@ def test_the_readme_links_every_page_and_stays_a_front_door():
     for page in PAGES:
         assert f"(docs/{page.name})" in readme, page.name
     assert len(readme.splitlines()) <= 200
+
+
+def module_files() -> list[str]:
+    """Every module file of the rooms, as `room/path.py` (`deriv_lm/serving/app.py`, `viz/explorer/app.py`). A room's
+    `__init__.py` is its bold row in the table, not a line of its own."""
+    import tomllib
+
+    rooms = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+    return sorted(
+        path.relative_to(ROOT).as_posix()
+        for folder in set(rooms.values())
+        for path in (ROOT / folder).rglob("*.py")
+        if path.name != "__init__.py" and "__pycache__" not in path.parts
+    )
+
+
+def model_md_files() -> set[str]:
+    """The files docs/model.md's file table names, as `room/path` (a row's file under the last bold room row; a row
+    that says "(the root)", as the path from the repository's root)."""
+    named, room = set(), None
+    for line in (DOCS / "model.md").read_text(encoding="utf-8").splitlines():
+        cell = line.split("|")[1].strip() if line.startswith("| ") else ""
+        header = re.fullmatch(r"\*\*`(.+?)/`\*\*", cell)
+        if header:
+            room = header.group(1)
+        elif room:
+            where = "" if "(the root)" in cell else f"{room}/"  # `deriv_lm_cli.py` (the root)
+            named.update(f"{where}{name}" for name in re.findall(r"`([^`]+)`", cell))
+    return named
+
+
+def test_the_file_table_in_model_md_names_every_module_file_and_no_other():
+    """docs/model.md is the map of the files: a module added without its line, or a line left for a module moved or
+    deleted, fails here (DESIGN.md sends readers to it)."""
+    files, named = module_files(), model_md_files()
+    assert len(files) > 80, files  # the rooms were found
+    assert [path for path in files if path not in named] == []
+    gone = [name for name in named if name.endswith(".py") and not (ROOT / name).is_file()]
+    assert gone == []
