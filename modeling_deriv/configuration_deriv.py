@@ -62,6 +62,29 @@ class DerivConfig(PreTrainedConfig):
     model_type = "deriv"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the KV cache, named either side of transformers 5.24
     attribute_map = {"n_positions": "max_position_embeddings", "d_model": "hidden_size"}
+    # Tensor parallelism, Llama's plan on Deriv's names (transformers' `tp_plan="auto"`, vLLM's Transformers backend):
+    # the maps into the heads and into d_ff split by output columns, each rank computing whole heads (h / ranks query
+    # heads, h_kv / ranks key/value heads: `DerivPreTrainedModel.maybe_distribute_model` refuses a size that splits
+    # a head) and its share of d_ff; the maps out of them split by input rows and sum across ranks. The gate and fc1
+    # split alike, so act(x W_g) * x W_1 pairs the same columns on each rank.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate": "colwise",
+        "layers.*.mlp.fc1": "colwise",
+        "layers.*.mlp.fc2": "rowwise",
+    }
+    # Pipeline parallelism: the stages split `layers`; the first holds the token embedding, the last the final norm.
+    # subtle: `embed_positions` is in no stage's part: it stays on every stage (as Llama's rotary_emb), because rotary
+    # tables turn q and k in every block. The sinusoid and the learned table are added to x_0 only by the stage that
+    # holds the first block (`DerivModel.forward`), never to the hidden state a later stage receives.
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     vocab_size: int = 8192  # the ids that exist: the tokenizer's, what inputs, logits, the loss and generate() see
     # The embedding table and the output projection get `vocab_size` rounded up to a multiple of this many rows

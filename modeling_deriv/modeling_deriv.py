@@ -461,6 +461,14 @@ class DerivPreTrainedModel(PreTrainedModel):
                 "or copy?); download or export it again."
             ) from error
 
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, *args, **kwargs):
+        """transformers' tensor and pipeline parallelism (`from_pretrained(..., distributed_config=...)`), after
+        `check_parallel_sizes` has refused a split the plans cannot make exactly."""
+        if distributed_config is not None:
+            check_parallel_sizes(model.config, distributed_config)
+        return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         # subtle: save_pretrained writes only this head's Auto class into `auto_map`; name the bare
         # decoder too, so a Hub user's `AutoModel.from_pretrained(folder, trust_remote_code=True)` works.
@@ -508,6 +516,33 @@ class DerivPreTrainedModel(PreTrainedModel):
             # V is the output's: an encoder-decoder with two vocabularies scores the target's, decoder_vocab_size
             vocab = getattr(self.config, "decoder_vocab_size", None) or self.config.vocab_size
             init.constant_(module.weight, min(0.5, math.log(vocab) / math.sqrt(d)))
+
+
+def check_parallel_sizes(config, distributed_config) -> None:
+    """Refuse a tensor-parallel size that would split a head: `base_model_tp_plan` gives each rank whole query heads
+    and whole key/value heads, so both counts must divide by it. (Grouped-query attention with fewer key/value heads
+    than ranks is refused, not replicated: transformers' colwise split cannot copy a head onto several ranks.)"""
+    tp_size = getattr(distributed_config, "tp_size", None) or 1
+    if tp_size == 1:
+        return
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if heads is not None and heads % tp_size:
+            raise ValueError(
+                f"Tensor parallelism over {tp_size} ranks needs `{name}` ({heads}) divisible by {tp_size}: each rank "
+                f"computes whole heads. Use a tensor-parallel size that divides {heads}."
+            )
+
+
+def holds_first_block(layers: nn.ModuleList) -> bool:
+    """Whether this pipeline stage holds the first block, and with it the input x_0 = E[x] + PE: False on a later
+    stage, which receives a hidden state as `inputs_embeds`.
+
+    subtle: engines that split the stack replace the blocks another stage holds by an identity: vLLM's
+    `PPMissingLayer` and transformers' `PipelineIdentityLayer` both subclass nn.Identity, and a real block never
+    does. Asked of the block, not of `embed_tokens`: a stage that ties the output projection to the embedding keeps
+    the embedding on the last stage too (both engines do), where adding positions again would be wrong."""
+    return not isinstance(layers[0], nn.Identity)
 
 
 def mark_output_norm(layers: nn.ModuleList, norm: nn.Module, pre_norm: bool) -> None:
@@ -572,7 +607,8 @@ def lookup_is_the_check(module: nn.Module, device: torch.device, vocab_size: int
     """Whether the table lookups alone refuse every bad id and position: on the CPU, unless the embedding has rows
     past the vocabulary (`pad_vocab_size_to_multiple_of`), whose ids the lookup would take."""
     vocab_size = vocab_size or module.config.vocab_size
-    return lookup_fails_loudly(device) and module.embed_tokens.num_embeddings == vocab_size
+    # (a later pipeline stage may hold an identity in the embedding's place: no table, so no lookup to check)
+    return lookup_fails_loudly(device) and getattr(module.embed_tokens, "num_embeddings", None) == vocab_size
 
 
 def checked_upstream(config, slots: int) -> bool:
@@ -705,7 +741,9 @@ class DerivModel(DerivPreTrainedModel):
         # both of its names.)
         causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         rotary = isinstance(positions, tuple)  # (cos, sin): positions turn q and k in every layer instead
-        hidden_states = self.dropout(inputs_embeds if rotary else inputs_embeds + positions)  # (B, T, d)
+        if holds_first_block(self.layers):  # x_0, with its dropout; a later pipeline stage receives x_l as it is
+            inputs_embeds = self.dropout(inputs_embeds if rotary else inputs_embeds + positions)  # (B, T, d)
+        hidden_states = inputs_embeds
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states, causal_mask, cache, position_embeddings=positions if rotary else None, **kwargs
@@ -722,6 +760,10 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Llama's: each rank scores a slice of the vocabulary and the slices are gathered (padding rows and all, cut off in
+    # `logits_of` after the gather); the last pipeline stage holds the projection.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: DerivConfig):
         super().__init__(config)

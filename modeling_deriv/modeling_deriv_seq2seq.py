@@ -108,6 +108,22 @@ class DerivSeq2SeqPreTrainedModel(DerivPreTrainedModel):
     config: DerivSeq2SeqConfig
     _no_split_modules = ["DerivEncoderLayer", "DerivSeq2SeqDecoderLayer"]
 
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, *args, **kwargs):
+        """Tensor and pipeline parallelism refused in one line: the encoder-decoder declares no plan for them.
+
+        Why none: transformers' pipeline stages split one stack, `base_model.layers`, and this model has two; vLLM's
+        Transformers backend serves no encoder-decoder (it takes a model with a non-causal attention for an encoder
+        alone); no encoder-decoder transformers ships declares a tensor-parallel plan either. Without this, a
+        pipeline split fails on a missing attribute deep inside the library. FSDP (`dp_size`) is not refused."""
+        sizes = {name: getattr(distributed_config, name, None) or 1 for name in ("tp_size", "pp_size")}
+        if any(size > 1 for size in sizes.values()):
+            raise ValueError(
+                f"{cls.__name__} has no tensor- or pipeline-parallel plan (asked for tp_size={sizes['tp_size']}, "
+                f"pp_size={sizes['pp_size']}): load the encoder-decoder whole in each process."
+            )
+        return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         # The decoder-only base names DerivModel as the folder's AutoModel; here it is the bare encoder-decoder.
         auto_map = dict(getattr(self.config, "auto_map", None) or {})

@@ -1,0 +1,217 @@
+"""The decoder's parallel plans are true: split by them, a folder gives the logits and tokens of one process.
+
+`DerivConfig.base_model_tp_plan` / `base_model_pp_plan` and the head's `_tp_plan` / `_pp_plan` are what transformers'
+own tensor and pipeline parallelism (`from_pretrained(..., distributed_config=...)`) and vLLM's Transformers backend
+shard by. Fast: the plans name modules the models have; a model cut into two pipeline stages as both engines cut it
+(the other stage's blocks replaced by an identity, the tied embedding kept on the last stage) adds the positions
+once; a tensor-parallel size that would split a head, and any split of the encoder-decoder, are refused in one line.
+Slow: `torchrun --nproc-per-node 2` on the CPU (gloo) loads the paper's, a Llama-shaped and a padded-vocabulary
+folder with `trust_remote_code`, tensor-parallel and pipeline-parallel, with the logits and greedy tokens of one
+process (the vLLM side of the same plans is the vLLM tests').
+"""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY, TINY_SEQ2SEQ
+from test_transformers_compat import DECODERS, decoder, save_tiny_folders
+from torch import nn
+
+from deriv_lm import DerivConfig, DerivForCausalLM, DerivForConditionalGeneration, DerivSeq2SeqConfig
+from deriv_lm.hub_card.check import HIDE_PACKAGE
+
+
+def matches(pattern: str, names: set[str]) -> bool:
+    regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + r"$")
+    return any(regex.match(name) for name in names)
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_plans_name_the_modules(name):
+    model = decoder(name)
+    names = {n for n, _ in model.model.named_modules()}
+    for pattern in DerivConfig.base_model_tp_plan:
+        if pattern.endswith(".gate") and not model.config.gated_mlp:
+            continue  # the gate exists only in a gated feed-forward
+        assert matches(pattern, names), pattern
+    assert set(DerivConfig.base_model_pp_plan) <= names
+    assert isinstance(model.model.layers, nn.ModuleList)
+    # the library reads both plans off the model, the head's with the base model's
+    assert model.tp_plan["lm_head"] == "colwise_gather_output"
+    assert model.tp_plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert model.tp_plan["model.layers.*.mlp.fc2"] == "rowwise"
+    assert set(model.pp_plan) == {"lm_head", "model.embed_tokens", "model.layers", "model.norm"}
+
+
+class StagePlaceholder(nn.Identity):
+    """What vLLM's `PPMissingLayer` and transformers' `PipelineIdentityLayer` are: an identity that takes any
+    arguments and returns the first."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+def two_stages(model: DerivForCausalLM, split: int) -> tuple[DerivForCausalLM, DerivForCausalLM]:
+    """`model` cut as vLLM and transformers cut it: each stage's missing blocks an identity, the final norm and head
+    on the last stage only, the tied embedding kept on the last stage too (theirs is an nn.Identity subclass)."""
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    for i in range(split, len(model.model.layers)):
+        first.model.layers[i] = StagePlaceholder()
+    first.model.norm = StagePlaceholder()
+    for i in range(split):
+        last.model.layers[i] = StagePlaceholder()
+    return first, last
+
+
+@pytest.mark.parametrize(
+    "name,overrides",
+    [("paper", {}), ("padded", {}), ("llama", {}), ("paper", {"pre_norm": True, "num_hidden_layers": 3})],
+    ids=["sinusoidal", "learned", "rotary", "sinusoidal-pre-norm-3-layers"],
+)
+def test_positions_are_added_by_the_first_stage_only(name, overrides):
+    model = decoder(name, **overrides)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12]])
+    positions = torch.arange(ids.shape[1])[None]
+    first, last = two_stages(model, split=1)
+    with torch.no_grad():
+        whole = model(ids).logits
+        sent = first.model(ids, position_ids=positions).last_hidden_state  # what the first stage sends
+        staged = last(inputs_embeds=sent, position_ids=positions).logits
+        # a caller's own inputs_embeds still get the positions added, as before
+        embedded = model(inputs_embeds=model.model.embed_tokens(ids)).logits
+    torch.testing.assert_close(staged, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(embedded, whole, rtol=0, atol=1e-6)
+
+
+def test_a_later_stage_without_the_embedding_runs():
+    # untied, a later stage holds no embedding at all: nothing reads the table it does not have
+    model = decoder("paper", tie_word_embeddings=False)
+    first, last = two_stages(model, split=1)
+    last.model.embed_tokens = StagePlaceholder()
+    ids = torch.tensor([[5, 17, 42, 99]])
+    with torch.no_grad():
+        staged = last(inputs_embeds=first.model(ids).last_hidden_state).logits
+        torch.testing.assert_close(staged, model(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [({"num_key_value_heads": 1}, "num_key_value_heads"), ({"num_attention_heads": 2, "hidden_size": 32}, None)],
+    ids=["gqa-one-kv-head", "two-heads-fine"],
+)
+def test_tensor_parallel_size_that_splits_a_head_is_refused(overrides, field):
+    model = decoder("llama", **overrides)
+    config = SimpleNamespace(tp_size=2, pp_size=1)
+    if field is None:  # 2 query and 2 key/value heads over 2 ranks: whole heads, so on to the library (no mesh)
+        assert DerivForCausalLM.maybe_distribute_model(model, config, None) is model
+        return
+    with pytest.raises(ValueError, match=rf"`{field}` \(1\) divisible by 2") as error:
+        DerivForCausalLM.maybe_distribute_model(model, config, None)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("sizes", [dict(tp_size=2, pp_size=1), dict(tp_size=1, pp_size=2)], ids=["tp", "pp"])
+def test_encoder_decoder_split_is_refused(sizes):
+    torch.manual_seed(0)
+    model = DerivForConditionalGeneration(DerivSeq2SeqConfig(**TINY_SEQ2SEQ))
+    with pytest.raises(ValueError, match="no tensor- or pipeline-parallel plan") as error:
+        DerivForConditionalGeneration.maybe_distribute_model(model, SimpleNamespace(**sizes), None)
+    assert "\n" not in str(error.value)
+    # one process is no split: on to the library
+    assert DerivForConditionalGeneration.maybe_distribute_model(model, SimpleNamespace(tp_size=1), None) is model
+
+
+# Run by each of two processes: every folder loaded with the folder's own code, split by `kind`; rank 0 writes the
+# logits of a prompt, its greedy tokens, and the shapes its rank holds (so a plan that split nothing would show).
+SPLIT_RUN = """
+import json, os, sys, torch
+from transformers import AutoModelForCausalLM
+folders, out, kind = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+try:
+    from transformers.distributed import DistributedConfig
+    split = {"distributed_config": DistributedConfig(**({"tp_plan": "auto"} if kind == "tp" else {"pp_size": 2}))}
+except ImportError:  # before distributed_config (tensor parallelism only)
+    split = {"tp_plan": "auto"}
+ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12]])
+results = {}
+for name, folder in folders.items():
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32, **split).eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    layers = model.model.layers
+    held = [i for i, layer in enumerate(layers) if not isinstance(layer, torch.nn.Identity)]
+    attn = layers[held[0]].self_attn
+    shapes = {"q_proj": list(attn.q_proj.weight.to_local().shape if hasattr(attn.q_proj.weight, "to_local")
+                             else attn.q_proj.weight.shape), "held": held}
+    results[name] = {"logits": logits.tolist(), "tokens": tokens.tolist(), "shapes": shapes}
+if int(os.environ.get("RANK", 0)) == 0:
+    with open(out, "w") as f:
+        json.dump(results, f)
+"""
+
+
+def run_split(kind: str, folders: dict[str, str], workdir) -> dict:
+    script, cwd, out = workdir / "split.py", workdir / "cwd", workdir / f"{kind}.json"
+    cwd.mkdir(exist_ok=True)
+    script.write_text(HIDE_PACKAGE + SPLIT_RUN)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(workdir / "hf_modules"),
+        "HF_HOME": str(workdir / "hf_home"),
+    }
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*torchrun, str(script), json.dumps(folders), str(out), kind],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    folders = save_tiny_folders(tmp_path_factory.mktemp("folders"))
+    del folders["seq2seq"]
+    return folders
+
+
+def one_process(folder: str) -> tuple[torch.Tensor, list]:
+    model = DerivForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 12]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    return logits, tokens.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.upstream
+@pytest.mark.parametrize("kind", ["tp", "pp"])
+def test_two_processes_give_one_process_logits(kind, folders, tmp_path):
+    results = run_split(kind, folders, tmp_path)
+    for name, folder in folders.items():
+        logits, tokens = one_process(folder)
+        got = results[name]
+        torch.testing.assert_close(torch.tensor(got["logits"]), logits, rtol=0, atol=1e-5, msg=name)
+        assert got["tokens"] == tokens, name
+        layers = TINY["num_hidden_layers"]
+        if kind == "tp":  # rank 0 holds half of q_proj's output columns, and every block
+            assert got["shapes"] == {"q_proj": [TINY["hidden_size"] // 2, TINY["hidden_size"]], "held": [0, 1]}
+        else:  # rank 0 holds the first half of the blocks, whole
+            assert got["shapes"] == {"q_proj": [TINY["hidden_size"]] * 2, "held": list(range(layers // 2))}
