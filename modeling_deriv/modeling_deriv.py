@@ -281,12 +281,35 @@ def repeat_kv(hidden_states: torch.Tensor, groups: int) -> torch.Tensor:
     return expanded.reshape(batch, kv_heads * groups, length, head_dim)
 
 
+class DerivRotary(nn.Module):
+    """R(pos) on the queries and the new keys, from the (cos, sin) of `DerivRotaryEmbedding` (rotary positions)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        return apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
+
+
+class DerivNoRotary(nn.Module):
+    """Queries and keys as they are: the sinusoid and the learned table were added to x_0 instead."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, position_embeddings=None):
+        return query, key
+
+
 class DerivAttention(nn.Module):
     """MultiHead(X) = Concat(head_1..head_h) W^O, head_i = Attention(X W_i^Q, X W_j^K, X W_j^V)  (§3.2.2).
 
     The h projections of each kind are one linear map, split into heads by a reshape. In the paper j = i; with
     grouped-query attention there are h_kv < h key/value heads and j = i // (h / h_kv), so W^K and W^V are
     (d, h_kv d_k) and the KV cache holds h_kv heads.
+
+    Self-attention, one code path: q, k and v of the same input, side by side, the rotation chosen at construction
+    (`DerivRotary`, or `DerivNoRotary`, which returns them as they are), the cache, one attention call. Cross-attention
+    is its own module (`DerivCrossAttention`).
+
+    subtle: that one path is what lets vLLM's Transformers backend fuse q, k and v into one matrix (it traces this
+    forward and rewrites `self.q_proj(hidden_states)`, `self.k_proj(...)`, `self.v_proj(...)`, which must each appear
+    once, on the forward's own input, in one block): keep the three calls so, and the one attention-kernel call in
+    this forward's own source, where vLLM looks for it.
     """
 
     def __init__(self, config: DerivConfig, layer_idx: int, num_heads: int | None = None, is_causal: bool = True):
@@ -309,50 +332,78 @@ class DerivAttention(nn.Module):
         self.k_proj = nn.Linear(d, kv_dim, bias=config.bias)
         self.v_proj = nn.Linear(d, kv_dim, bias=config.bias)
         self.o_proj = nn.Linear(d, d, bias=config.bias)  # W^O
+        self.rotary = DerivRotary() if config.position_embedding_type == "rotary" else DerivNoRotary()
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        key_value_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Self-attention over `hidden_states`, or cross-attention from them to `key_value_states` (the
-        encoder output, §3.2.3): queries come from the decoder, keys and values from the source.
-        `position_embeddings`: the (cos, sin) of rotary positions, which turn the queries and the new keys."""
+        """Self-attention over `hidden_states`. `position_embeddings`: the (cos, sin) of rotary positions, which turn
+        the queries and the new keys (rotated before caching: a cached key keeps the rotation of its own position).
+        `cache`: this stack's own KV cache (the self-attention half of an encoder-decoder's)."""
         input_shape = hidden_states.shape[:-1]  # (B, T)
         hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, h, d_k)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, T, d_k)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, T, d_k)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key = self.rotary(query, key, position_embeddings)
+        if cache is not None:
+            # The KV cache: keys and values of earlier positions never change under a causal mask,
+            # so each step computes only the new ones and attends over all.  -> (B, h, S, d_k)
+            # `kwargs` goes along because a paged cache (continuous batching) fills in, for this layer,
+            # the arguments the attention kernel then reads.
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        # softmax(Q K^T / sqrt(d_k) + M) V through the configured kernel, then Concat(heads) W^O
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # Concat(heads): (B, T, d)
+        return self.o_proj(attn_output), attn_weights
 
-        is_cross_attention = key_value_states is not None
-        layer_cache = cache
-        if isinstance(cache, EncoderDecoderCache):
-            layer_cache = cache.cross_attention_cache if is_cross_attention else cache.self_attention_cache
-        elif is_cross_attention:
-            layer_cache = None  # cross-attention keys and values are kept only in an EncoderDecoderCache
-        if is_cross_attention and layer_cache is not None and cache.is_updated.get(self.layer_idx):
+
+class DerivCrossAttention(DerivAttention):
+    """Cross-attention (§3.2.3): queries from the decoder, keys and values from the source (the encoder output).
+    The encoder-decoder's; the same weights and names as self-attention, no rotation, no causal mask."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: EncoderDecoderCache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`cache`: the whole EncoderDecoderCache, whose cross-attention half keeps the source's keys and values."""
+        input_shape = hidden_states.shape[:-1]  # (B, T)
+        query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)  # (B, h, T, d_k)
+        layer_cache = cache.cross_attention_cache if isinstance(cache, EncoderDecoderCache) else None
+        if layer_cache is not None and cache.is_updated.get(self.layer_idx):
             # The source does not change while the target grows: its keys and values were computed at
             # the first step and are reused at every later one.
             key, value = layer_cache.layers[self.layer_idx].keys, layer_cache.layers[self.layer_idx].values
         else:
-            source = key_value_states if is_cross_attention else hidden_states
-            source_shape = (*source.shape[:-1], -1, self.head_dim)  # (B, S, h, d_k)
-            key = self.k_proj(source).view(source_shape).transpose(1, 2)  # (B, h_kv, S, d_k)
-            value = self.v_proj(source).view(source_shape).transpose(1, 2)
-            if position_embeddings is not None:
-                # rotated before caching: a cached key keeps the rotation of its own position
-                query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
+            source_shape = (*key_value_states.shape[:-1], -1, self.head_dim)  # (B, S, h, d_k)
+            key = self.k_proj(key_value_states).view(source_shape).transpose(1, 2)  # (B, h, S, d_k)
+            value = self.v_proj(key_value_states).view(source_shape).transpose(1, 2)
             if layer_cache is not None:
-                # The KV cache: keys and values of earlier positions never change under a causal mask,
-                # so each step computes only the new ones and attends over all.  -> (B, h, S, d_k)
-                # `kwargs` goes along because a paged cache (continuous batching) fills in, for this layer,
-                # the arguments the attention kernel then reads.
                 key, value = layer_cache.update(key, value, self.layer_idx, kwargs=kwargs)
-                if is_cross_attention:
-                    cache.is_updated[self.layer_idx] = True
-
+                cache.is_updated[self.layer_idx] = True
+        # (subtle: the kernel call is written out in each forward, not shared through a helper: vLLM finds it in
+        # the forward's own source, once)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -371,25 +422,37 @@ class DerivAttention(nn.Module):
 
 
 class DerivMLP(nn.Module):
-    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, the same at every position (§3.3); act is ReLU in the paper.
-
-    Gated (`gated_mlp=True`): FFN(x) = (act(x W_g) * x W_1) W_2, one more (d, d_ff) matrix whose activation
-    scales x W_1 element by element (Shazeer 2020); SwiGLU when act is SiLU. A third of the parameters more at
-    the same d_ff, so comparisons at equal size take d_ff 2/3 as wide.
-    """
+    """FFN(x) = act(x W_1 + b_1) W_2 + b_2, the same at every position (§3.3); act is ReLU in the paper."""
 
     def __init__(self, config: DerivConfig):
         super().__init__()
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)  # (d -> d_ff)
         self.act_fn = ACT2FN[config.hidden_act]
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)  # (d_ff -> d)
-        if config.gated_mlp:
-            self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)  # W_g
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate"):
-            return self.fc2(self.act_fn(self.gate(hidden_states)) * self.fc1(hidden_states))
         return self.fc2(self.act_fn(self.fc1(hidden_states)))
+
+
+class DerivGatedMLP(DerivMLP):
+    """Gated (`gated_mlp=True`): FFN(x) = (act(x W_g) * x W_1) W_2, one more (d, d_ff) matrix whose activation
+    scales x W_1 element by element (Shazeer 2020); SwiGLU when act is SiLU. A third of the parameters more at
+    the same d_ff, so comparisons at equal size take d_ff 2/3 as wide.
+
+    subtle: its own class, chosen at construction (`feed_forward`), so each forward has one return and calls the
+    activation once, in the form `act(gate(x)) * up(x)` that vLLM's Transformers backend fuses into one matrix."""
+
+    def __init__(self, config: DerivConfig):
+        super().__init__(config)
+        self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)  # W_g
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act_fn(self.gate(hidden_states)) * self.fc1(hidden_states))
+
+
+def feed_forward(config) -> DerivMLP:
+    """The position-wise feed-forward network a block uses: gated or the paper's."""
+    return DerivGatedMLP(config) if config.gated_mlp else DerivMLP(config)
 
 
 class DerivDecoderLayer(GradientCheckpointingLayer):
@@ -404,7 +467,7 @@ class DerivDecoderLayer(GradientCheckpointingLayer):
         self.pre_norm = config.pre_norm
         self.self_attn = DerivAttention(config, layer_idx, num_heads=num_heads, is_causal=is_causal)
         self.self_attn_layer_norm = norm_layer(config)
-        self.mlp = DerivMLP(config)
+        self.mlp = feed_forward(config)
         self.final_layer_norm = norm_layer(config)
         self.dropout = nn.Dropout(config.dropout)
 

@@ -5,7 +5,7 @@
               each decoder block: masked self-attention -> cross-attention to z -> feed-forward
 
 The parts are the decoder-only model's (`modeling_deriv.py`): the scaled embedding, the sinusoid, the
-attention (with its cross-attention path), the feed-forward network and the residual + LayerNorm
+attention and the cross-attention, the feed-forward networks and the residual + LayerNorm
 wrapper; this file only assembles them. One embedding matrix serves the encoder input, the decoder
 input and the output projection (§3.4), so source and target share one vocabulary.
 
@@ -37,6 +37,7 @@ from .configuration_deriv import DerivSeq2SeqConfig
 from .modeling_deriv import (
     CACHE_NAME,
     DerivAttention,
+    DerivCrossAttention,
     DerivDecoderLayer,
     DerivPreTrainedModel,
     DerivScaledWordEmbedding,
@@ -75,7 +76,7 @@ class DerivSeq2SeqDecoderLayer(DerivDecoderLayer):
     def __init__(self, config: DerivSeq2SeqConfig, layer_idx: int):
         super().__init__(config, layer_idx, num_heads=config.decoder_attention_heads, is_causal=True)
         # Queries from the target, keys and values from the source (§3.2.3): no mask beyond source padding.
-        self.encoder_attn = DerivAttention(
+        self.encoder_attn = DerivCrossAttention(
             config, layer_idx, num_heads=config.decoder_attention_heads, is_causal=False
         )
         self.encoder_attn_layer_norm = norm_layer(config)
@@ -89,17 +90,17 @@ class DerivSeq2SeqDecoderLayer(DerivDecoderLayer):
         cache: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        # the target's own keys and values: the self-attention half of the two caches
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         hidden_states = self.residual(
             hidden_states,
             self.self_attn_layer_norm,
-            lambda x: self.self_attn(x, attention_mask, cache, **kwargs)[0],
+            lambda x: self.self_attn(x, attention_mask, self_cache, **kwargs)[0],
         )
         hidden_states = self.residual(
             hidden_states,
             self.encoder_attn_layer_norm,
-            lambda x: self.encoder_attn(
-                x, encoder_attention_mask, cache, key_value_states=encoder_hidden_states, **kwargs
-            )[0],
+            lambda x: self.encoder_attn(x, encoder_hidden_states, encoder_attention_mask, cache, **kwargs)[0],
         )
         return self.residual(hidden_states, self.final_layer_norm, self.mlp)
 

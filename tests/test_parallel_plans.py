@@ -10,12 +10,15 @@ folder with `trust_remote_code`, tensor-parallel and pipeline-parallel, with the
 process (the vLLM side of the same plans is the vLLM tests').
 """
 
+import ast
 import copy
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +29,7 @@ from torch import nn
 
 from deriv_lm import DerivConfig, DerivForCausalLM, DerivForConditionalGeneration, DerivSeq2SeqConfig
 from deriv_lm.hub_card.check import HIDE_PACKAGE
+from deriv_lm.modeling_deriv.modeling_deriv import DerivAttention, DerivCrossAttention, DerivGatedMLP, DerivMLP
 
 
 def matches(pattern: str, names: set[str]) -> bool:
@@ -215,3 +219,71 @@ def test_two_processes_give_one_process_logits(kind, folders, tmp_path):
             assert got["shapes"] == {"q_proj": [TINY["hidden_size"] // 2, TINY["hidden_size"]], "held": [0, 1]}
         else:  # rank 0 holds the first half of the blocks, whole
             assert got["shapes"] == {"q_proj": [TINY["hidden_size"]] * 2, "held": list(range(layers // 2))}
+
+
+# What vLLM's Transformers backend needs to fuse a module (its fusers read the forward's source and trace it): in
+# the attention, `self.q_proj`, `self.k_proj` and `self.v_proj` each called once, on the forward's own input, in one
+# block, and one attention-kernel call in the forward's own source; in the gated feed-forward, `act_fn`, `gate` and
+# `fc1` each once, as act(gate(x)) * fc1(x). One code path: no branch in a feed-forward, only the cache's in the
+# attention.
+def forward_source(cls) -> ast.FunctionDef:
+    return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+
+
+def self_calls(funcdef: ast.FunctionDef, name: str) -> list[ast.Call]:
+    uses = [n for n in ast.walk(funcdef) if isinstance(n, ast.Attribute) and n.attr == name]
+    calls = [n for n in ast.walk(funcdef) if isinstance(n, ast.Call) and n.func in uses]
+    assert len(uses) == len(calls) == 1, f"{name}: {len(uses)} uses, {len(calls)} calls"
+    return calls[0]
+
+
+def branches(funcdef: ast.AST) -> list[ast.AST]:
+    """The statements that fork the code path (an expression like the dropout's `p if training else 0` does not)."""
+    return [n for n in ast.walk(funcdef) if isinstance(n, (ast.If, ast.Match, ast.Try))]
+
+
+@pytest.mark.parametrize("cls", [DerivAttention, DerivCrossAttention], ids=lambda c: c.__name__)
+def test_attention_calls_the_kernel_once_in_its_forward(cls):
+    funcdef = forward_source(cls)
+    kernels = [n for n in ast.walk(funcdef) if isinstance(n, ast.Name) and n.id == "ALL_ATTENTION_FUNCTIONS"]
+    assert len(kernels) == 1
+    assert [n.func.id for n in ast.walk(funcdef) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)].count(
+        "attention_interface"
+    ) == 1
+
+
+def test_self_attention_projects_q_k_v_side_by_side():
+    funcdef = forward_source(DerivAttention)
+    first_input = funcdef.args.args[1].arg  # the forward's own input (after self)
+    calls = [self_calls(funcdef, name) for name in ("q_proj", "k_proj", "v_proj")]
+    assert all(isinstance(c.args[0], ast.Name) and c.args[0].id == first_input for c in calls)
+    top_level = [stmt for stmt in funcdef.body if any(c in ast.walk(stmt) for c in calls)]
+    assert len(top_level) == 3  # three statements of the body itself, none inside a branch
+    assert all(not branches(stmt) for stmt in top_level)
+    assert len(branches(funcdef)) == 1  # the cache's: nothing about cross-attention or rotary positions
+
+
+@pytest.mark.parametrize("cls", [DerivMLP, DerivGatedMLP], ids=lambda c: c.__name__)
+def test_feed_forward_has_one_path(cls):
+    funcdef = forward_source(cls)
+    assert not branches(funcdef)
+    assert len([n for n in ast.walk(funcdef) if isinstance(n, ast.Return)]) == 1
+    act = self_calls(funcdef, "act_fn")
+    if cls is DerivGatedMLP:  # act(gate(x)) * fc1(x), the pattern vLLM merges into one matrix
+        gate, up = self_calls(funcdef, "gate"), self_calls(funcdef, "fc1")
+        assert act.args[0] is gate and ast.dump(gate.args[0]) == ast.dump(up.args[0])
+        assert any(isinstance(n, ast.BinOp) and {n.left, n.right} == {act, up} for n in ast.walk(funcdef))
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_module_choice_keeps_every_weight_name(name):
+    model = decoder(name)
+    block = {k.split(".", 3)[-1] for k in model.state_dict() if k.startswith("model.layers.0.")}
+    names = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {"mlp.fc1.weight", "mlp.fc2.weight"}
+    names |= {"self_attn_layer_norm.weight", "final_layer_norm.weight"}
+    if model.config.gated_mlp:
+        names.add("mlp.gate.weight")
+    if model.config.bias:
+        names |= {n.replace(".weight", ".bias") for n in names}
+    assert block == names
+    assert isinstance(model.model.layers[0].mlp, DerivGatedMLP if model.config.gated_mlp else DerivMLP)
