@@ -14,6 +14,10 @@ weights, greedy decoding):
 2. `deriv serve` in a child process, with and without `--continuous-batching`, and --clients concurrent clients
    each sending --requests completions one after another: requests/s, new tokens/s and the median latency.
    Without continuous batching the server decodes one request at a time (one `generate()` on one worker thread).
+3. vLLM on the same folder, prompts and clients, where vllm imports (`make test-vllm` builds `.venv-vllm`; else the
+   row says so; `--no-vllm` skips it): `python -m vllm.entrypoints.openai.api_server` with the flags that serve a
+   Deriv folder exactly (docs/serving.md, "Past one machine"), one request at a time (`--max-num-seqs 1`) and with
+   its continuous batching.
 
 --device (auto: cuda where there is one) and --dtype (auto: bfloat16 on cuda, float32 on the CPU) set where and
 in what the model decodes, in this process and in the server (`deriv serve --device --dtype`).
@@ -44,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=integer(minimum=1), default=16, help="concurrent clients of the server")
     parser.add_argument("--requests", type=integer(minimum=1), default=2, help="completions per client")
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP part")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM in the HTTP part")
     parser.add_argument("--threads", type=integer(minimum=1), default=None, help="torch threads")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     dev.add_device_arguments(parser, dtype="the weights' dtype, here and in the server")
@@ -136,7 +141,57 @@ def measure_server(args, folder: str, flags: tuple[str, ...], texts: list[str]) 
     """(requests/s, new tokens/s, median latency in s) of --clients clients against `deriv serve FOLDER *flags`."""
     from ..serving.client import ServerProcess
 
-    server = ServerProcess(folder, *flags, log=os.path.join(folder, "serve.log"))
+    return measure_clients(args, ServerProcess(folder, *flags, log=os.path.join(folder, "serve.log")), texts, {})
+
+
+def vllm_server(folder: str, flags: tuple[str, ...], dtype: str):
+    """vLLM's OpenAI server on FOLDER in a child process, on a free loopback port, waited for until `/health`
+    answers: the module entry point (the CPU build's `vllm` command asks for a distribution it is not named), the
+    folder's own code through vLLM's Transformers backend, greedy as the request says (the folder's generation
+    config set aside)."""
+    import socket
+    import subprocess
+    import sys
+
+    from ..serving.client import ServerProcess
+
+    class VllmServer(ServerProcess):
+        def __init__(self):
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                self.port = probe.getsockname()[1]
+            self.url, self.command = f"http://127.0.0.1:{self.port}", "vllm"
+            self.folder, self.log = folder, os.path.join(folder, "vllm.log")
+            argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--dtype", dtype]
+            argv += ["--trust-remote-code", "--model-impl", "transformers", "--generation-config", "vllm"]
+            argv += ["--host", "127.0.0.1", "--port", str(self.port), *flags]
+            # a KV cache of 1 GiB on the CPU (the default takes a share of the RAM), nothing sent home
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **os.environ}
+            with open(self.log, "wb") as out:
+                self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self._wait_until_healthy(600)  # a compile warm-up, minutes on 2 CPU cores
+
+    return VllmServer()
+
+
+def measure_vllm(args, folder: str, texts: list[str]) -> dict:
+    """{name: (requests/s, new tokens/s, median latency s)} of vLLM one request at a time and batching, or
+    {name: reason} where vllm does not import."""
+    import importlib.util
+
+    names = {"vllm (one request at a time)": ("--max-num-seqs", "1"), "vllm (continuous batching)": ()}
+    if importlib.util.find_spec("vllm") is None:
+        return {name: "not measured: vllm is not installed here (make test-vllm builds .venv-vllm)" for name in names}
+    dtype = dev.dtype_name(dev.of(args)[1])
+    return {
+        name: measure_clients(args, vllm_server(folder, flags, dtype), texts, {"model": folder})
+        for name, flags in names.items()
+    }
+
+
+def measure_clients(args, server, texts: list[str], body: dict) -> tuple[float, float, float]:
+    """(requests/s, new tokens/s, median latency in s) of --clients clients each sending --requests greedy
+    completions to a started `server` (ServerProcess's client), stopped after."""
     try:
 
         def client(index: int) -> list[tuple[float, int]]:
@@ -145,7 +200,7 @@ def measure_server(args, folder: str, flags: tuple[str, ...], texts: list[str]) 
                 text = texts[(index * args.requests + request) % len(texts)]
                 start = time.perf_counter()
                 reply = server.post(
-                    "/v1/completions", {"prompt": text, "max_tokens": args.new_tokens, "temperature": 0}
+                    "/v1/completions", {"prompt": text, "max_tokens": args.new_tokens, "temperature": 0, **body}
                 )
                 done.append((time.perf_counter() - start, reply["usage"]["completion_tokens"]))
             return done
@@ -174,17 +229,18 @@ def bench_model(args):
     return build("deriv", args).eval().to(device=device, dtype=dtype)
 
 
-def measure_servers(args, model, flags=((), ("--continuous-batching",))) -> dict:
+def measure_servers(args, model, flags=((), ("--continuous-batching",)), vllm: bool = False) -> dict:
     """{name: (requests/s, new tokens/s, median latency s)} of `deriv serve` with each of `flags`, on the bench's
-    device and dtype, serving the bench's model."""
+    device and dtype, serving the bench's model; with `vllm`, vLLM's rows after them (measure_vllm)."""
     device, dtype = dev.of(args)
     on = ("--device", device, "--dtype", dev.dtype_name(dtype))
     with tempfile.TemporaryDirectory() as folder:
         served_folder(args, model, folder)
         texts = served_prompts(args, folder)
-        return {
+        served = {
             " ".join(("deriv serve", *extra)): measure_server(args, folder, (*extra, *on), texts) for extra in flags
         }
+        return {**served, **(measure_vllm(args, folder, texts) if vllm else {})}
 
 
 def run(args) -> int:
@@ -204,17 +260,21 @@ def run(args) -> int:
     results = {"batching": [dict(path=n, tokens_per_s=t, agreement=s) for n, t, s, _ in batching]}
 
     if not args.no_server:
-        served = measure_servers(args, model)
+        served = measure_servers(args, model, vllm=not args.no_vllm)
         print(
             f"\nServing: {args.clients} concurrent clients x {args.requests} completions, {args.new_tokens} new "
             f"tokens each (greedy), prompts of 8 to {longest_prompt(args)} tokens"
         )
         base = served["deriv serve"][0]
-        rows = [(name, r, r / base, t, lat) for name, (r, t, lat) in served.items()]
+        rows = [
+            (name, *((m[0], m[0] / base, m[1], m[2]) if isinstance(m, tuple) else (m, "", "", "")))
+            for name, m in served.items()
+        ]
         print_table(("server", "requests/s", "ratio", "new tokens/s", "median latency s"), rows)
         results["serving"] = [
-            dict(server=n, requests_per_s=r, tokens_per_s=t, latency_s=lat) for n, r, _, t, lat in rows
+            dict(server=n, requests_per_s=r, tokens_per_s=t, latency_s=lat) for n, r, _, t, lat in rows if t != ""
         ]
+        results["not_measured"] = [dict(server=n, note=r) for n, r, _, t, _ in rows if t == ""]
     if args.json:
         import json
 
