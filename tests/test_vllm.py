@@ -277,10 +277,10 @@ def test_vllm_serves_an_exported_twin_with_its_own_model_no_remote_code(twin, na
 @pytest.mark.parametrize("name", list(FOLDERS))
 @pytest.mark.parametrize("layout", ["tensor", "pipeline"])
 def test_vllm_splits_the_folder_over_two_processes_token_for_token(layout, name, folders, prompts, references):
-    """By the folder's base_model_tp_plan / base_model_pp_plan. Without a plan vLLM splits by guesswork and only
-    warns: at tensor parallel 2 every linear layer replicated and attention sized for half the heads
-    (log-probabilities off by up to 1.95), at pipeline parallel 2 the sinusoid added again on the second stage
-    (off by 0.096)."""
+    """By the folder's base_model_tp_plan / base_model_pp_plan and the layers vLLM fuses. Before the plans and
+    fusable modules (issue 47) vLLM split by guesswork and only warned: at tensor parallel 2 every linear layer
+    replicated and attention sized for half the heads (log-probabilities off by up to 1.95), at pipeline parallel 2
+    the sinusoid added again on the second stage (off by 0.096)."""
     got, _ = served(folders[name], prompts, **{f"{layout}_parallel_size": 2})
     assert_equal(got, references[name], f"vLLM, {name}, {layout} parallel 2")
 
