@@ -159,6 +159,11 @@ for name, folder in folders.items():
 if int(os.environ.get("RANK", 0)) == 0:
     with open(out, "w") as f:
         json.dump(results, f)
+# subtle: both ranks leave the group together; a rank that exits while gloo's threads still run is aborted
+# ("terminate called without an active exception"), which a loaded machine made happen now and then
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """
 
 
