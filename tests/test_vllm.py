@@ -18,6 +18,7 @@ pipeline parallelism start vLLM's worker processes.
 
 from __future__ import annotations
 
+import ast
 import gc
 import json
 import os
@@ -61,6 +62,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed: make test-vllm
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from deriv_lm import DerivForCausalLM  # noqa: E402
 from deriv_lm.cli import main as deriv  # noqa: E402
 
 
@@ -126,7 +128,7 @@ def folders(tmp_path_factory, corpus) -> dict[str, Path]:
 
 
 def redraw(folder: Path, scale: float = 0.3) -> None:
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    model = DerivForCausalLM.from_pretrained(folder, dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -150,7 +152,11 @@ def reference(folder: Path, prompts: list[list[int]], remote: bool = True) -> li
     """What transformers gives for each prompt: generate()'s NEW greedy tokens (the folder's sampling settings
     set aside, as vLLM's are by `--generation-config vllm`), and the log-probability of every prompt token after
     the first and of every generated token, from one forward pass over the whole sequence."""
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).eval()
+    # subtle: a Deriv folder through the installed package's classes (the code the folder carries), not its
+    # copied module: vLLM's compile decorator patches the class it loaded from that module, in this process, so a
+    # later trust_remote_code load of the same folder would construct vLLM's version
+    model_class = DerivForCausalLM if remote else AutoModelForCausalLM
+    model = model_class.from_pretrained(folder, dtype=torch.float32).eval()
     results = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -245,6 +251,13 @@ def assert_equal(got: list[dict], expected: list[dict], what: str) -> None:
 @pytest.fixture(scope="session")
 def references(folders, prompts) -> dict[str, list[dict]]:
     refs = {name: reference(folder, prompts, remote=not name.endswith("twin")) for name, folder in folders.items()}
+    # the documented client's prompt, read as vLLM reads a text (the tokenizer's special tokens added). subtle: every
+    # reference is computed here, before any engine: vLLM's compile decorator patches the Deriv classes it loads,
+    # in this process, so a model built after a compiled engine would be vLLM's
+    (code,) = [block for block in documented("python") if "OpenAI(" in block]
+    text = ast.literal_eval(re.search(r"^PROMPT = (.*)$", code, flags=re.M).group(1))
+    paper_tokenizer = AutoTokenizer.from_pretrained(folders["paper"])
+    refs["client"] = reference(folders["paper"], [paper_tokenizer(text).input_ids])
     for name, results in refs.items():  # a reference worth comparing to: the greedy tokens are not one repeated
         assert any(len(set(r["tokens"])) > 2 for r in results), (name, results)
     return refs
@@ -370,13 +383,12 @@ def client_code(server) -> str:
     )
 
 
-def test_the_documented_openai_client_gets_generates_text_from_vllm_serve(server, folders):
+def test_the_documented_openai_client_gets_generates_text_from_vllm_serve(references, server, folders):
     namespace = {}
     exec(client_code(server), namespace)  # the page's own lines
     choice = namespace["reply"].choices[0]
     tokenizer = AutoTokenizer.from_pretrained(folders["paper"])
-    # the prompt as vLLM reads a text (the tokenizer's special tokens added); the reply ends at <eos> if one comes
-    (expected,) = reference(folders["paper"], [tokenizer(namespace["PROMPT"]).input_ids])
+    (expected,) = references["client"]  # the reply ends at <eos> if one comes
     tokens = expected["tokens"]
     tokens = tokens[: tokens.index(2)] if 2 in tokens else tokens
     # subtle: vLLM's streaming detokenizer holds back a last token that ends inside a UTF-8 character (weights
