@@ -1,6 +1,7 @@
 """The ablation: the 2017 paper's decoder made modern one change at a time, each change measured on the main job.
 
-    deriv bench ablation                                    # six steps x seeds 0,1,2, the tiny preset's 600 steps
+    deriv bench ablation                                    # every step x seeds 0,1,2, the tiny preset's 600 steps
+    deriv bench ablation --lr-grid 0.5,1,2                  # each step's learning rate chosen from three
     deriv bench ablation --steps paper,swiglu --seeds 0     # a subset (each step still keeps the changes above it)
     deriv bench ablation --json ablation.json --plot docs/images/ablation.png
 
@@ -14,22 +15,41 @@ default corpus, 16 x 128 tokens a step, its schedule and step budget):
     swiglu     + gated_mlp=True, hidden_act=silu, intermediate_size = 2/3 of d_ff (to a multiple of 8): three
                matrices of d x 2/3 d_ff hold about the parameters of two of d x d_ff (the table shows the counts)
     gqa        + num_key_value_heads = num_attention_heads / 2
+    -- the speedrun's changes (modded-nanogpt), on today's decoder --
+    qk_norm    + qk_norm=True: each head's queries and keys RMS-normalised before the rotation (Qwen3, OLMo 2)
+    relu2      + hidden_act=relu2, gated_mlp=False, the preset's d_ff: ReLU(x)^2 in the paper's two-matrix
+               feed-forward, in place of SwiGLU (Primer; modded-nanogpt)
+    untied     + tie_word_embeddings=False: the output projection its own matrix (d x V more parameters)
+    zero_init  + zero_init_output_projections=True: W^O, W_2 and the head start at zero
+    softcap    + final_logit_softcapping=15: logits = 15 tanh(z / 15) (Gemma 2; modded-nanogpt)
+    muon       + optimizer=muon: Muon on the blocks' matrices, AdamW on the rest (torch.optim.Muon)
+    wsd        + lr_schedule=wsd: warmup, a flat peak, a linear decay over the last 20% (the speedrun's trapezoid)
 
 Each (step, seed) is one run of `train_lm`, the code `deriv train lm` runs, with `--seed SEED` (which seeds the
 initialisation, the data order, dropout, the validation split and so the tokenizer alike). For each step the table
 gives the parameters, the KV-cache bytes per token (2 x layers x kv_heads x head_dim x 4, fp32), validation and
-held-out perplexity as the mean and sample standard deviation over the seeds (the JSON adds min and max), and training
-tokens/s: for each run the median of the trainer's logged intervals after the first (which includes warm-up;
-evaluation and checkpoints are outside its clock), then the median over seeds.
+held-out perplexity as the mean and sample standard deviation over the seeds (the JSON adds min and max), the
+first evaluated step at which each seed's run is at or below the paper step's final validation perplexity of the
+same seed (the validation split moves with the seed, so only same-seed comparisons count), and training tokens/s:
+for each run the median of the trainer's logged intervals after the first (which includes warm-up; evaluation and
+checkpoints are outside its clock), then the median over seeds.
 
-Validation is the run's own: the 5% of documents its seed holds out, its final evaluation. Held-out is text no
-run reads at all, the same for every run: the docstrings of the standard library's idlelib and tkinter packages,
-which the default corpus leaves out (`data.corpus`; any one also in the corpus is dropped), packed and scored as
-validation is (documents + <eos> in blocks of the context, the model's own loss); `--held-out FILES` for other text.
+The learning rate: `--lr-grid M1,M2,...` multiplies the step's peak learning rate (the preset's `learning_rate`,
+or `muon_learning_rate` once the step trains with Muon) by each multiplier on the first seed; the lowest
+validation perplexity picks the step's learning rate, which the other seeds then use. The sweep is in the table,
+so no change loses for want of its own learning rate. (Default `1`: the preset's learning rate, no sweep.)
 
-The runs go seed by seed, all the steps of one seed before the next. Results go to OUTPUT_DIR/ablation.json,
-rewritten whole after every run: an ablation that is stopped and started again with the same settings skips the
-(step, seed) pairs it finished; the run it was in starts over.
+Validation is the run's own: the 5% of documents its seed holds out, evaluated every `--eval-every` steps (50 by
+default: the curve gives the step at which a run reaches a perplexity; evaluation does not touch the training's
+random numbers, so the weights are those of `deriv train lm`). Held-out is text no run reads at all, the same for
+every run: the docstrings of the standard library's idlelib and tkinter packages, which the default corpus leaves
+out (`data.corpus`; any one also in the corpus is dropped), packed and scored as validation is (documents + <eos>
+in blocks of the context, the model's own loss); `--held-out FILES` for other text.
+
+The runs go in two rounds: first the sweep (every step at each multiplier, on the first seed), then the other
+seeds, seed by seed, every step within each at its chosen learning rate: a slower hour of the machine then falls
+on all steps alike. Results go to OUTPUT_DIR/ablation.json, rewritten whole after every run: an ablation that is
+stopped and started again with the same settings skips the runs it finished; the run it was in starts over.
 """
 
 from __future__ import annotations
@@ -48,7 +68,10 @@ from ..errors import UsageError
 from .report import check_json_path, entry_point, markdown_table
 
 
-STEPS = ("paper", "pre_norm", "rotary", "rms_norm", "swiglu", "gqa")
+STEPS = (
+    *("paper", "pre_norm", "rotary", "rms_norm", "swiglu", "gqa"),
+    *("qk_norm", "relu2", "untied", "zero_init", "softcap", "muon", "wsd"),
+)
 TITLES = {
     "paper": "the paper's decoder",
     "pre_norm": "+ pre-norm",
@@ -56,10 +79,18 @@ TITLES = {
     "rms_norm": "+ RMSNorm",
     "swiglu": "+ SwiGLU (parameter-matched)",
     "gqa": "+ grouped-query attention",
+    "qk_norm": "+ QK-norm",
+    "relu2": "+ ReLU² (for SwiGLU)",
+    "untied": "+ untied head",
+    "zero_init": "+ zero-init projections",
+    "softcap": "+ logit soft cap",
+    "muon": "+ Muon",
+    "wsd": "+ warmup-stable-decay",
 }
+SOFT_CAP = 15.0  # modded-nanogpt's (Gemma 2 uses 30): at 30 the tiny model's logits (|z| < 20) would barely feel it
 HELD_OUT_PACKAGES = ("idlelib", "tkinter")  # standard-library folders the default corpus skips
 RESULTS = "ablation.json"
-FORMAT = 1  # the results file's layout
+FORMAT = 2  # the results file's layout (2: learning-rate sweeps, curves)
 
 
 # ---- the steps -------------------------------------------------------------------------------------------
@@ -95,6 +126,22 @@ def own_changes(step: str, base: dict) -> dict:
                 "--config with an even number of heads, or leave gqa out of --steps"
             )
         return {"num_key_value_heads": heads // 2}
+    return speedrun_changes(step, base)
+
+
+def speedrun_changes(step: str, base: dict) -> dict:
+    """The overrides of the speedrun's steps (after gqa)."""
+    changes = {
+        "qk_norm": {"qk_norm": True},
+        "relu2": {"gated_mlp": False, "hidden_act": "relu2", "intermediate_size": base["intermediate_size"]},
+        "untied": {"tie_word_embeddings": False},
+        "zero_init": {"zero_init_output_projections": True},
+        "softcap": {"final_logit_softcapping": SOFT_CAP},
+        "muon": {"optimizer": "muon"},
+        "wsd": {"lr_schedule": "wsd"},
+    }
+    if step in changes:
+        return changes[step]
     raise UsageError(f"unknown ablation step {step!r}; choose from {', '.join(STEPS)}")
 
 
@@ -105,6 +152,13 @@ PAPER = {
     "norm_type": "layer_norm",
     "gated_mlp": False,
     "num_key_value_heads": None,
+    "qk_norm": False,
+    "hidden_act": "relu",
+    "tie_word_embeddings": True,
+    "zero_init_output_projections": False,
+    "final_logit_softcapping": None,
+    "optimizer": "adamw",
+    "lr_schedule": "cosine",
 }
 
 
@@ -129,16 +183,32 @@ def step_overrides(step: str, base: dict) -> dict:
     return overrides
 
 
-def training_values(step: str, seed: int, base: dict, folder: str) -> dict:
-    """The training arguments of one (step, seed) run: the base settings, the step's overrides, the seed."""
+def swept_rate(overrides: dict) -> str:
+    """The learning rate a step's sweep moves: Muon's once the step trains with Muon, else AdamW's."""
+    return "muon_learning_rate" if overrides.get("optimizer") == "muon" else "learning_rate"
+
+
+def training_values(step: str, seed: int, base: dict, folder: str, multiplier: float = 1.0) -> dict:
+    """The training arguments of one (step, seed) run: the base settings, the step's overrides, the seed, and the
+    swept learning rate times `multiplier`."""
+    overrides = step_overrides(step, base)
+    rate = swept_rate(overrides)
     return {
         **base,
-        **step_overrides(step, base),
+        **overrides,
+        rate: base[rate] * multiplier,
         "seed": seed,
         "output_dir": folder,
         "samples": 0,  # generated text is not measured here
         "progress": False,
     }
+
+
+def checked_arguments(step: str, base: dict):
+    """The checked training arguments of `step` (a step the settings cannot take is refused here, by name)."""
+    from ..training import TrainingArguments
+
+    return TrainingArguments(**training_values(step, 0, base, os.devnull))
 
 
 def kv_bytes_per_token(config, bytes_per_element: int = 4) -> int:
@@ -228,15 +298,24 @@ def held_out_loss(model, tokenizer, documents: list[str], context: int, batch_si
 # ---- the runs --------------------------------------------------------------------------------------------
 
 
-def base_settings(preset: str, config: str | None = None, max_steps: int | None = None) -> dict:
-    """The main job's training arguments: the preset's, under a `--config` file's values, at `max_steps` if given."""
+def base_settings(
+    preset: str, config: str | None = None, max_steps: int | None = None, eval_every: int | None = None
+) -> dict:
+    """The main job's training arguments: the preset's, under a `--config` file's values, at `max_steps` and
+    `eval_every` if given."""
     from ..training.args import PRESETS, TrainingArguments, read_config
 
     values = {**PRESETS[preset], **(read_config(config) if config else {}), "preset": preset}
-    if max_steps is not None:
-        values["max_steps"] = max_steps
+    for name, value in (("max_steps", max_steps), ("eval_every", eval_every)):
+        if value is not None:
+            values[name] = value
     settings = TrainingArguments(**values)  # checked as `deriv train lm` checks them
     return {k: v for k, v in settings.to_dict().items() if k not in ("output_dir", "seed", "samples", "progress")}
+
+
+def run_key(step: str, seed: int, multiplier: float) -> str:
+    """A run's name in the results file: step/seed/xmultiplier (paper/0/x1)."""
+    return f"{step}/{seed}/x{multiplier:g}"
 
 
 def read_results(path: str, identity: dict) -> dict:
@@ -257,7 +336,7 @@ def read_results(path: str, identity: dict) -> dict:
             f"{path} holds the runs of an ablation with other settings ({', '.join(changed) or 'the held-out text'} "
             "differ): pass another --output-dir, or remove it to start again"
         )
-    return {f"{r['step']}/{r['seed']}": r for r in saved["runs"]}
+    return {run_key(r["step"], r["seed"], r["lr_multiplier"]): r for r in saved["runs"]}
 
 
 def write_json(path: str, value) -> None:
@@ -274,7 +353,7 @@ def write_json(path: str, value) -> None:
 
 def write_results(path: str, identity: dict, results: dict) -> None:
     """The results file, rewritten whole after every run."""
-    runs = sorted(results.values(), key=lambda r: (STEPS.index(r["step"]), r["seed"]))
+    runs = sorted(results.values(), key=lambda r: (STEPS.index(r["step"]), r["seed"], r["lr_multiplier"]))
     write_json(path, {"format": FORMAT, "identity": identity, "runs": runs})
 
 
@@ -285,8 +364,15 @@ def median_logged_throughput(folder: str) -> float:
     return statistics.median(r["tokens_per_second"] for r in logs[1:] or logs)
 
 
-def one_run(step: str, seed: int, base: dict, folder: str, held_out: list[str], cpu: bool) -> dict:
-    """Train (step, seed) into `folder` from scratch and measure it."""
+def validation_curve(folder: str) -> list[list]:
+    """[[step, validation perplexity], ...]: every evaluation of a run, from its metrics.jsonl."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if "val_perplexity" in line]
+    return [[r["step"], r["val_perplexity"]] for r in records if r.get("val_perplexity") is not None]
+
+
+def one_run(step: str, seed: int, multiplier: float, base: dict, folder: str, held_out: list[str], cpu: bool) -> dict:
+    """Train (step, seed) at the learning rate times `multiplier` into `folder` from scratch and measure it."""
     from transformers import AutoTokenizer
 
     from ..modeling_deriv import DerivForCausalLM
@@ -294,21 +380,27 @@ def one_run(step: str, seed: int, base: dict, folder: str, held_out: list[str], 
 
     if os.path.exists(folder):
         shutil.rmtree(folder)  # a run stopped midway: its result was never recorded, so it starts over
-    train_args = TrainingArguments(**training_values(step, seed, base, folder))
+    values = training_values(step, seed, base, folder, multiplier)
+    train_args = TrainingArguments(**values)
     train_lm(train_args, cpu=cpu)
     with open(os.path.join(folder, "run.json")) as f:
         record = json.load(f)
     model = DerivForCausalLM.from_pretrained(folder)
     held = held_out_loss(model, AutoTokenizer.from_pretrained(folder), held_out, base["max_position_embeddings"])
     shutil.rmtree(train_args.checkpoint_dir, ignore_errors=True)  # the run is over; the exported folder stays
+    rate = swept_rate(values)
     return {
         "step": step,
         "seed": seed,
+        "lr_multiplier": multiplier,
+        "swept": rate,
+        "learning_rate": values[rate],
         "overrides": step_overrides(step, base),
         "parameters": record["model"]["parameters"],
         "kv_bytes_per_token": kv_bytes_per_token(model.config),
         "val_loss": record["metrics"]["val_loss"],
         "val_perplexity": record["metrics"]["val_perplexity"],
+        "curve": validation_curve(folder),
         "held_out_loss": held["loss"],
         "held_out_perplexity": held["perplexity"],
         "held_out_tokens": held["tokens"],
@@ -330,11 +422,36 @@ def spread(values: list[float]) -> dict:
     }
 
 
-def summarize(results: dict, steps: list[str], seeds: list[int], base: dict) -> list[dict]:
-    """One row per step of the runs asked for: the seeds' spread of each perplexity, the median tokens/s."""
+def chosen_multiplier(results: dict, step: str, seed: int, grid: list[float]) -> float | None:
+    """The multiplier of `grid` whose run of (step, seed) has the lowest validation perplexity; None until every
+    run of the sweep is in."""
+    runs = [results.get(run_key(step, seed, m)) for m in grid]
+    if any(r is None for r in runs):
+        return None
+    return min(runs, key=lambda r: r["val_perplexity"])["lr_multiplier"]
+
+
+def steps_to_reach(curve: list[list], target: float) -> int | None:
+    """The first evaluated step at which the validation perplexity is at most `target` (None: never)."""
+    return next((step for step, perplexity in curve if perplexity <= target), None)
+
+
+def summarize(results: dict, steps: list[str], seeds: list[int], base: dict, grid: list[float]) -> list[dict]:
+    """One row per step of the runs asked for, at the step's chosen learning rate: the seeds' spread of each
+    perplexity, the step at which each seed reaches the paper step's final perplexity of that seed, the median
+    tokens/s, and the sweep."""
+    chosen = {step: chosen_multiplier(results, step, seeds[0], grid) for step in steps}
+    runs_of = {step: [results[run_key(step, seed, chosen[step])] for seed in seeds] for step in steps}
+    paper = runs_of.get("paper")
     rows = []
     for step in steps:
-        runs = [results[f"{step}/{seed}"] for seed in seeds]
+        runs = runs_of[step]
+        reached = (
+            [steps_to_reach(r["curve"], p["val_perplexity"]) for r, p in zip(runs, paper, strict=True)]
+            if paper
+            else []
+        )
+        sweep = [results[run_key(step, seeds[0], m)] for m in grid]
         rows.append(
             {
                 "step": step,
@@ -344,12 +461,32 @@ def summarize(results: dict, steps: list[str], seeds: list[int], base: dict) -> 
                 "seeds": seeds,
                 "parameters": runs[0]["parameters"],
                 "kv_bytes_per_token": runs[0]["kv_bytes_per_token"],
+                "swept": runs[0]["swept"],
+                "learning_rate": runs[0]["learning_rate"],
+                "sweep": [[r["learning_rate"], r["val_perplexity"]] for r in sweep],
                 "val_perplexity": spread([r["val_perplexity"] for r in runs]),
                 "held_out_perplexity": spread([r["held_out_perplexity"] for r in runs]),
+                "steps_to_paper": reached,
                 "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
             }
         )
     return rows
+
+
+def reached_text(reached: list[int | None], steps: int) -> str:
+    """'300' (every seed by then: the mean), '450 (2 of 3)', or 'not by 600'."""
+    hit = [r for r in reached if r is not None]
+    if not hit:
+        return f"not by {steps}" if reached else "(no paper row)"
+    mean = f"{statistics.fmean(hit):.0f}"
+    return mean if len(hit) == len(reached) else f"{mean} ({len(hit)} of {len(reached)})"
+
+
+def sweep_text(row: dict) -> str:
+    """'1e-3: 138.2*, 2e-3: 131.0' for a sweep (* the chosen), '' for none."""
+    if len(row["sweep"]) < 2:
+        return ""
+    return ", ".join(f"{lr:.2g}: {ppl:.1f}{'*' if lr == row['learning_rate'] else ''}" for lr, ppl in row["sweep"])
 
 
 def print_table(rows: list[dict], base: dict, held_out: str) -> None:
@@ -357,23 +494,30 @@ def print_table(rows: list[dict], base: dict, held_out: str) -> None:
     print(
         f"the {base['preset']} preset, {base['max_steps']} steps of {base['batch_size']} x "
         f"{base['max_position_embeddings']} tokens, seeds {', '.join(map(str, seeds))}; perplexity: mean ± sample "
-        "std over the seeds; tokens/s: the median over seeds of each run's median logged interval"
+        "std over the seeds; reaches paper: the first evaluated step at or below the paper step's final validation "
+        "perplexity of the same seed (mean over seeds); tokens/s: the median over seeds of each run's median "
+        "logged interval; sweep: validation perplexity of the first seed at each peak learning rate (* chosen)"
     )
     print(f"held out: {held_out}")
-    headers = ["step", "changes", "parameters", "KV bytes/token", "val ppl", "held-out ppl", "tokens/s"]
+    headers = ["step", "changes", "parameters", "KV bytes/token", "peak lr", "val ppl", "held-out ppl"]
+    headers += ["reaches paper", "tokens/s", "sweep"]
     table = []
     for row in rows:
         changes = ", ".join(f"{k}={v}" for k, v in row["changes"].items()) or "(the preset)"
         val, held = row["val_perplexity"], row["held_out_perplexity"]
+        rate = f"{row['learning_rate']:.2g}" + (" (Muon)" if row["swept"] == "muon_learning_rate" else "")
         table.append(
             [
                 row["title"],
                 changes,
                 f"{row['parameters']:,}",
                 f"{row['kv_bytes_per_token']:,}",
+                rate,
                 f"{val['mean']:.2f} ± {val['std']:.2f}",
                 f"{held['mean']:.2f} ± {held['std']:.2f}",
+                reached_text(row["steps_to_paper"], base["max_steps"]),
                 f"{row['tokens_per_second']:,.0f}",
+                sweep_text(row),
             ]
         )
     markdown_table(headers, table)
@@ -424,6 +568,17 @@ def step_list(text: str) -> list[str]:
     return [step for step in STEPS if step in names]
 
 
+def multiplier_list(text: str) -> list[float]:
+    """An argparse type: comma-separated positive learning-rate multipliers, each once (0.5,1,2)."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"must be distinct positive numbers like 0.5,1,2; got {text!r}")
+    return sorted(values)
+
+
 def seed_list(text: str) -> list[int]:
     """An argparse type: comma-separated seeds, whole numbers of 0 or more, each once."""
     from ..arguments import MAX_SEED
@@ -451,12 +606,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, help="the settings it starts from"
     )
+    parser.add_argument(
+        "--eval-every",
+        type=integer(minimum=1),
+        default=50,
+        help="optimizer steps between validation passes of each run (default 50: the step a run reaches a "
+        "perplexity, to within 50)",
+    )
+    parser.add_argument(
+        "--lr-grid",
+        type=multiplier_list,
+        default=[1.0],
+        metavar="M1,M2,...",
+        help="multiply each step's peak learning rate by each of these on the first seed and keep the best "
+        "(default 1: no sweep)",
+    )
     parser.add_argument("--config", help="a `deriv train lm --config` file whose values go over the preset's")
     parser.add_argument("--held-out", nargs="+", metavar="FILE", help="held-out text (default: stdlib docstrings)")
     parser.add_argument("--output-dir", default="runs/ablation", help="the runs' folders and ablation.json")
     parser.add_argument("--json", help="also write the summary rows here")
     parser.add_argument("--plot", help="draw the perplexities and tokens/s as a PNG here (needs matplotlib)")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
+
+
+def run_folder(output_dir: str, step: str, seed: int, multiplier: float) -> str:
+    suffix = "" if multiplier == 1 else f"-x{multiplier:g}"
+    return os.path.join(output_dir, f"{step}-seed{seed}{suffix}")
+
+
+def planned_runs(results: dict, steps: list[str], seeds: list[int], grid: list[float]):
+    """(step, seed, multiplier) in order: the sweep on the first seed, then each other seed at each step's chosen
+    multiplier (known once the sweep is in: `results` grows as the runs finish)."""
+    for step in steps:
+        for multiplier in grid:
+            yield step, seeds[0], multiplier
+    for seed in seeds[1:]:
+        for step in steps:
+            yield step, seed, chosen_multiplier(results, step, seeds[0], grid)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -466,32 +652,30 @@ def run(args: argparse.Namespace) -> int:
         from ..folder.curve import pyplot
 
         pyplot()  # a missing matplotlib is found now, not after hours of training
-    base = base_settings(args.preset, args.config, args.max_steps)
+    base = base_settings(args.preset, args.config, args.max_steps, args.eval_every)
     check_paper_base(base)
     for step in args.steps:
-        step_overrides(step, base)  # an impossible step (gqa with odd heads) is refused before any training
+        checked_arguments(step, base)  # a step the settings cannot take (gqa with odd heads) is refused now
     documents, description = held_out_text(args.held_out)
     identity = {"base": base, "held_out": description, "held_out_documents": len(documents)}
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, RESULTS)
     results = read_results(path, identity)
-    # seed by seed, every step within each: a slower hour of the machine then falls on all steps alike, and a
-    # stopped ablation already has whole seeds
-    for seed in args.seeds:
-        for step in args.steps:
-            key = f"{step}/{seed}"
-            if key in results:
-                print(f"{key}: done earlier, skipped")
-                continue
-            folder = os.path.join(args.output_dir, f"{step}-seed{seed}")
-            results[key] = one_run(step, seed, base, folder, documents, args.cpu)
-            write_results(path, identity, results)
-            done = results[key]
-            print(
-                f"{key}: validation perplexity {done['val_perplexity']:.2f}, held-out "
-                f"{done['held_out_perplexity']:.2f}, {done['tokens_per_second']:,.0f} tokens/s"
-            )
-    rows = summarize(results, args.steps, args.seeds, base)
+    for step, seed, multiplier in planned_runs(results, args.steps, args.seeds, args.lr_grid):
+        key = run_key(step, seed, multiplier)
+        if key in results:
+            print(f"{key}: done earlier, skipped")
+            continue
+        folder = run_folder(args.output_dir, step, seed, multiplier)
+        results[key] = one_run(step, seed, multiplier, base, folder, documents, args.cpu)
+        write_results(path, identity, results)
+        done = results[key]
+        print(
+            f"{key}: peak learning rate {done['learning_rate']:.3g}, validation perplexity "
+            f"{done['val_perplexity']:.2f}, held-out {done['held_out_perplexity']:.2f}, "
+            f"{done['tokens_per_second']:,.0f} tokens/s"
+        )
+    rows = summarize(results, args.steps, args.seeds, base, args.lr_grid)
     print_table(rows, base, description)
     if args.json:
         write_json(args.json, {"base": base, "held_out": description, "rows": rows})

@@ -45,7 +45,15 @@ CLAIMED = {
     "rms_norm": {"norm_type": "rms_norm"},
     "swiglu": {"gated_mlp": True, "hidden_act": "silu", "intermediate_size": 64},
     "gqa": {"num_key_value_heads": 1},
+    "qk_norm": {"qk_norm": True},
+    "relu2": {"gated_mlp": False, "hidden_act": "relu2", "intermediate_size": 96},
+    "untied": {"tie_word_embeddings": False},
+    "zero_init": {"zero_init_output_projections": True},
+    "softcap": {"final_logit_softcapping": 15.0},
+    "muon": {"optimizer": "muon"},
+    "wsd": {"lr_schedule": "wsd"},
 }
+TRAINING_SWITCHES = {"optimizer", "lr_schedule"}  # in run.json's arguments, not in config.json
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +72,7 @@ def setup(tmp_path_factory):
         for doc in ablation.stdlib_held_out()[:40]:
             f.write(json.dumps({"text": doc}) + "\n")
     argv = ["bench", "ablation", "--config", str(config), "--max-steps", "2", "--seeds", "0", "--cpu"]
+    argv += ["--eval-every", "1"]
     argv += ["--held-out", str(held_out), "--output-dir", str(tmp / "out")]
     return tmp, argv
 
@@ -89,7 +98,9 @@ def test_every_step_trains_and_is_measured(ablated):
             assert 1 < row[key]["mean"] < 1e6 and row[key]["std"] == 0.0  # one seed: no spread
         assert row["tokens_per_second"] > 0 and row["parameters"] > 0
     runs = json.loads((tmp / "out" / "ablation.json").read_text())["runs"]
-    assert [(r["step"], r["seed"]) for r in runs] == [(s, 0) for s in ablation.STEPS]
+    assert [(r["step"], r["seed"], r["lr_multiplier"]) for r in runs] == [(s, 0, 1.0) for s in ablation.STEPS]
+    for row in rows.values():  # one seed: the paper row's own final perplexity, reached at the last step or before
+        assert row["steps_to_paper"][0] is None or 1 <= row["steps_to_paper"][0] <= 2
     assert not any(os.path.exists(tmp / "out" / f"{s}-seed0" / "checkpoints") for s in ablation.STEPS)
 
 
@@ -106,16 +117,28 @@ def test_no_held_out_document_is_in_the_default_corpus():
 
 
 def test_each_step_has_exactly_the_switches_it_claims(ablated):
-    """The config each run saved differs from the paper step's in the claimed switches, cumulatively, and in
-    nothing else; the table's `changes` column names the same ones."""
+    """The config each run saved (and, for the optimizer and the schedule, the arguments its run.json records)
+    differs from the paper step's in the claimed switches, cumulatively, and in nothing else; the table's `changes`
+    column names the same ones."""
     tmp, rows = ablated
     paper, claimed = saved_config(tmp, "paper"), {}
+    paper_training = saved_training(tmp, "paper")
     for step in ablation.STEPS:
         claimed.update(CLAIMED[step])
         config = saved_config(tmp, step)
         differs = {k: config.get(k) for k in set(config) | set(paper) if config.get(k) != paper.get(k)}
-        assert differs == claimed, step
+        expected = {k: v for k, v in claimed.items() if k not in TRAINING_SWITCHES and paper.get(k) != v}
+        assert differs == expected, step
+        training = saved_training(tmp, step)
+        assert {k: training[k] for k in TRAINING_SWITCHES if training[k] != paper_training[k]} == {
+            k: v for k, v in claimed.items() if k in TRAINING_SWITCHES
+        }, step
         assert rows[step]["changes"] == CLAIMED[step]
+
+
+def saved_training(tmp, step: str) -> dict:
+    with open(tmp / "out" / f"{step}-seed0" / "run.json") as f:
+        return json.load(f)["arguments"]["optimisation"]
 
 
 def test_swiglu_keeps_the_parameters_of_the_plain_mlp(ablated):
@@ -184,6 +207,10 @@ def test_a_second_run_skips_the_finished_runs(ablated, setup, monkeypatch, capsy
         (["--steps", "paper,bogus"], "unknown step 'bogus'"),
         (["--seeds", ""], "comma-separated whole numbers"),
         (["--max-steps", "0"], "must be an integer"),
+        (["--lr-grid", "1,0"], "distinct positive numbers"),
+        (["--lr-grid", "1,1"], "distinct positive numbers"),
+        (["--lr-grid", "nan"], "distinct positive numbers"),
+        (["--eval-every", "0"], "must be an integer"),
     ],
 )
 def test_bad_flags_are_one_clear_line(flags, says, tmp_path, capsys):
@@ -202,3 +229,31 @@ def test_a_preset_past_the_paper_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("deriv: error: the ablation starts from the paper's decoder") and "pre_norm=True" in err
     assert len(err.splitlines()) == 1 and not os.path.exists(tmp_path / "out")
+
+
+def test_the_sweep_picks_each_steps_rate_and_the_other_seeds_use_it(setup, tmp_path):
+    """--lr-grid 0.5,2 on two seeds: the first seed runs each step at both rates, the lower validation perplexity
+    picks the step's rate, the second seed runs only that one; the table's sweep and steps-to-paper come from
+    those runs."""
+    _, argv = setup
+    out = tmp_path / "sweep"
+    argv = [a if a != argv[argv.index("--output-dir") + 1] else str(out) for a in argv]
+    argv = [*argv[: argv.index("--seeds")], *argv[argv.index("--seeds") + 2 :]]
+    assert (
+        main([*argv, "--steps", "paper,rotary", "--seeds", "0,1", "--lr-grid", "0.5,2", "--json", str(out) + ".json"])
+        == 0
+    )
+    runs = json.loads((out / "ablation.json").read_text())["runs"]
+    by = {(r["step"], r["seed"], r["lr_multiplier"]): r for r in runs}
+    rows = {row["step"]: row for row in json.loads((tmp_path / "sweep.json").read_text())["rows"]}
+    for step in ("paper", "rotary"):
+        sweep = [by[(step, 0, m)] for m in (0.5, 2.0)]
+        best = min(sweep, key=lambda r: r["val_perplexity"])
+        assert [k for k in by if k[0] == step and k[1] == 1] == [(step, 1, best["lr_multiplier"])]
+        assert rows[step]["learning_rate"] == best["learning_rate"] == 3e-3 * best["lr_multiplier"]
+        assert rows[step]["sweep"] == [[r["learning_rate"], r["val_perplexity"]] for r in sweep]
+        paper = min((by[("paper", 0, m)] for m in (0.5, 2.0)), key=lambda r: r["val_perplexity"])
+        targets = [by[("paper", seed, paper["lr_multiplier"])]["val_perplexity"] for seed in (0, 1)]
+        own = [by[(step, seed, best["lr_multiplier"])] for seed in (0, 1)]
+        reached = [ablation.steps_to_reach(r["curve"], t) for r, t in zip(own, targets, strict=True)]
+        assert rows[step]["steps_to_paper"] == reached

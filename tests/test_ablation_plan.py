@@ -1,0 +1,74 @@
+"""The ablation's bookkeeping, without training: the order of its runs, the learning rate a sweep picks, the step
+at which a curve reaches a perplexity, and how the table says it. (The runs themselves: test_ablation.py, slow.)"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from deriv_lm.bench import ablation
+
+
+def record(step, seed, multiplier, perplexity, curve=()):
+    return {"step": step, "seed": seed, "lr_multiplier": multiplier, "val_perplexity": perplexity, "curve": curve}
+
+
+def test_steps_to_reach_is_the_first_evaluation_at_or_below_the_target():
+    curve = [[50, 400.0], [100, 200.0], [150, 150.0], [200, 160.0], [250, 140.0]]
+    assert ablation.steps_to_reach(curve, 150.0) == 150  # at the target counts
+    assert ablation.steps_to_reach(curve, 149.9) == 250  # the first below, not the last
+    assert ablation.steps_to_reach(curve, 100.0) is None
+
+
+def test_the_sweep_picks_the_lowest_validation_perplexity_once_every_rate_is_in():
+    results = {ablation.run_key("paper", 0, m): record("paper", 0, m, p) for m, p in ((0.5, 150.0), (1.0, 140.0))}
+    assert ablation.chosen_multiplier(results, "paper", 0, [0.5, 1.0, 2.0]) is None  # 2.0 not run yet
+    results[ablation.run_key("paper", 0, 2.0)] = record("paper", 0, 2.0, 139.0)
+    assert ablation.chosen_multiplier(results, "paper", 0, [0.5, 1.0, 2.0]) == 2.0
+
+
+def test_the_plan_sweeps_on_the_first_seed_then_runs_each_other_seed_at_the_chosen_rate():
+    grid, results = [0.5, 2.0], {}
+    plan = ablation.planned_runs(results, ["paper", "rotary"], [3, 4], grid)
+    sweep = [next(plan) for _ in range(4)]
+    assert sweep == [("paper", 3, 0.5), ("paper", 3, 2.0), ("rotary", 3, 0.5), ("rotary", 3, 2.0)]
+    for step, seed, m in sweep:  # as the runs finish
+        results[ablation.run_key(step, seed, m)] = record(
+            step, seed, m, {0.5: 100.0, 2.0: 90.0}[m] + (step == "rotary") * 20 * m
+        )
+    assert list(plan) == [("paper", 4, 2.0), ("rotary", 4, 0.5)]
+
+
+def test_the_sweep_moves_muons_rate_once_the_step_trains_with_muon():
+    base = ablation.base_settings("tiny")
+    base = {**base, "muon_learning_rate": 0.02} if "muon_learning_rate" not in base else base
+    assert ablation.swept_rate(ablation.step_overrides("wsd", base)) == "muon_learning_rate"
+    assert ablation.swept_rate(ablation.step_overrides("softcap", base)) == "learning_rate"
+    values = ablation.training_values("muon", 0, base, "unused", multiplier=2.0)
+    assert values["muon_learning_rate"] == 2 * base["muon_learning_rate"]
+    assert values["learning_rate"] == base["learning_rate"]  # AdamW's part keeps the preset's
+
+
+def test_relu2_replaces_swiglu_with_the_papers_feed_forward():
+    base = ablation.base_settings("tiny")
+    overrides = ablation.step_overrides("relu2", base)
+    assert overrides["gated_mlp"] is False and overrides["hidden_act"] == "relu2"
+    assert overrides["intermediate_size"] == base["intermediate_size"] == 1024
+
+
+@pytest.mark.parametrize(
+    "reached, says", [([300, 350, 400], "350"), ([300, None, 400], "350 (2 of 3)"), ([None, None], "not by 600")]
+)
+def test_the_table_says_how_many_seeds_reached_the_paper(reached, says):
+    assert ablation.reached_text(reached, 600) == says
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1", "1,1", "inf", "nan", "a,b", "1,,2"])
+def test_a_bad_grid_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="distinct positive numbers"):
+        ablation.multiplier_list(text)
+
+
+def test_a_grid_is_sorted():
+    assert ablation.multiplier_list("2,0.5,1") == [0.5, 1.0, 2.0]
