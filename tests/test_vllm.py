@@ -82,6 +82,9 @@ FOLDERS = {
         *("--no-scale-embedding", "--hidden-act", "gelu_new", "--pad-vocab-size-to-multiple-of", "64"),
     ],
 }
+# Fewer key/value heads than tensor-parallel ranks: one, which two ranks must each hold whole (transformers'
+# tp_plan="auto" refuses that split, modeling_deriv.check_parallel_sizes; vLLM replicates the head)
+ONE_KV_HEAD = {"llama-one-kv-head": [*FOLDERS["llama"], "--num-key-value-heads", "1"]}
 TEXTS = ["The quick brown fox", "A transformer attends to every token of", "def read_file(path):\n    with"]
 
 
@@ -113,7 +116,7 @@ def folders(tmp_path_factory, corpus) -> dict[str, Path]:
     one token over and over, which any model that agrees on one argmax would reproduce."""
     root = tmp_path_factory.mktemp("vllm-folders")
     made = {}
-    for name, flags in FOLDERS.items():
+    for name, flags in {**FOLDERS, **ONE_KV_HEAD}.items():
         out = root / name
         argv = ["train", "lm", "--files", str(corpus), "--output-dir", str(out), *SHAPE, *flags]
         argv += ["--batch-size", "4", "--max-steps", "2", "--warmup-steps", "1", "--eval-every", "2"]
@@ -298,6 +301,15 @@ def test_vllm_splits_the_folder_over_two_processes_token_for_token(layout, name,
     assert_equal(got, references[name], f"vLLM, {name}, {layout} parallel 2")
 
 
+def test_vllm_replicates_a_key_value_head_that_two_ranks_share(folders, prompts, references):
+    """Grouped-query attention with one key/value head at tensor parallel 2: each rank holds the whole head
+    (a column split would give each half of it, and attention over half a head's width)."""
+    (name,) = ONE_KV_HEAD
+    assert json.loads((folders[name] / "config.json").read_text())["num_key_value_heads"] == 1
+    got, _ = served(folders[name], prompts, tensor_parallel_size=2)
+    assert_equal(got, references[name], f"vLLM, {name}, tensor parallel 2")
+
+
 # ---- one real server: docs/serving.md's command line, the OpenAI client, a bad request -------------------------
 
 
@@ -313,15 +325,20 @@ def documented(kind: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-def documented_serve(*needs: str, without: tuple[str, ...] = ()) -> list[str]:
-    """The documented `vllm serve runs/deriv-tiny ...` line that has every one of `needs` and none of `without`."""
+def documented_serve(*needs: str, without: tuple[str, ...] = (), with_environment: bool = False):
+    """The documented `vllm serve runs/deriv-tiny ...` line that has every one of `needs` and none of `without`
+    (and, `with_environment`, the variables it sets before the command)."""
     for line in documented("bash"):
-        if not line.startswith("vllm serve"):
-            continue
         words = shlex.split(line, comments=True)
+        env = {}
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # a leading NAME=value: the line's own
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
         if words[:3] == ["vllm", "serve", "runs/deriv-tiny"] and all(n in words for n in needs):
             if not any(w in words for w in without):
-                return words
+                if env and not with_environment:
+                    raise AssertionError(f"docs/serving.md's plain `vllm serve` line sets {env}")
+                return (words, env) if with_environment else words
     raise AssertionError(f"docs/serving.md has no `vllm serve runs/deriv-tiny` line with {needs} and not {without}")
 
 
@@ -417,6 +434,12 @@ def test_the_documented_parallel_lines_are_the_plain_line_and_one_flag():
     folder and flags, and the one size of 2."""
     plain = documented_serve("--dtype", without=("--tensor-parallel-size", "--pipeline-parallel-size"))
     for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"):
-        words = documented_serve(flag)
+        words, env = documented_serve(flag, with_environment=True)
         i = words.index(flag)
         assert words[i + 1] == "2" and words[:i] + words[i + 2 :] == plain
+        # the one variable the CPU build's ranks need, as this module sets it for the engines above
+        assert (
+            env
+            == {"VLLM_CPU_OMP_THREADS_BIND": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
+            == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        )
