@@ -346,6 +346,17 @@ class ChatModelArguments:
         _new_model_context(self)
 
 
+# Muon's peak learning rate: on AdamW's scale (match_rms_adamw, training/optim.py), whose learning rate Moonlight
+# carries over unchanged.
+MUON_LEARNING_RATE = 1e-3
+
+
+def decay_steps(max_steps: int, decay_ratio: float) -> int:
+    """The steps of the warmup-stable-decay schedule's decay (`optim.warmup_stable_decay`): `decay_ratio` of the
+    run, rounded, at least one."""
+    return max(1, round(decay_ratio * max_steps))
+
+
 @dataclass
 class OptimizationArguments:
     _argument_group_name: typing.ClassVar[str] = "optimisation"
@@ -354,11 +365,29 @@ class OptimizationArguments:
     batch_size: int = arg(16, "sequences (or pairs) per device per micro-batch")
     gradient_accumulation_steps: int = arg(1, "micro-batches per optimizer step")
     max_steps: int = arg(600, "optimizer steps")
-    learning_rate: float = arg(1e-3, "the peak learning rate")
-    lr_schedule: Literal["cosine", "inverse_sqrt"] = arg("cosine", "warmup then cosine, or the paper's (§5.3)")
-    min_lr_ratio: float = arg(0.1, "cosine decays to learning_rate * min_lr_ratio")
+    learning_rate: float = arg(1e-3, "the peak learning rate (with --optimizer muon: AdamW's, for the rest)")
+    optimizer: Literal["adamw", "muon"] = arg(
+        "adamw",
+        "AdamW for every weight, or Muon (torch.optim.Muon, torch >= 2.9) for the blocks' linear weights and AdamW "
+        "for the embeddings, the output projection, the gains and the biases; not under FSDP or DeepSpeed",
+    )
+    muon_learning_rate: float = arg(
+        MUON_LEARNING_RATE,
+        "--optimizer muon: the Muon group's peak learning rate, scaled by the schedule as --learning-rate is "
+        "(each matrix's update has RMS 0.2 x this: Moonlight's match_rms_adamw)",
+    )
+    muon_momentum: float = arg(0.95, "--optimizer muon: Muon's (Nesterov) momentum")
+    lr_schedule: Literal["cosine", "inverse_sqrt", "wsd"] = arg(
+        "cosine",
+        "warmup then cosine, the paper's (§5.3), or warmup-stable-decay (the peak held, then a linear decay over "
+        "the last --decay-ratio of the steps)",
+    )
+    min_lr_ratio: float = arg(0.1, "cosine and wsd decay to learning_rate * min_lr_ratio")
+    decay_ratio: float = arg(0.2, "--lr-schedule wsd: the last fraction of --max-steps, decaying linearly")
     warmup_steps: int = arg(60, "steps of linear warmup")
-    weight_decay: float = arg(0.1, "AdamW weight decay on matrices (never on biases or LayerNorm)")
+    weight_decay: float = arg(
+        0.1, "decoupled weight decay on matrices (never on biases or LayerNorm), in AdamW and Muon alike"
+    )
     adam_beta1: float = arg(0.9, "AdamW beta_1")
     adam_beta2: float = arg(0.98, "AdamW beta_2 (the paper's 0.98)")
     max_grad_norm: float = arg(1.0, "gradients are clipped to this global norm")
@@ -383,6 +412,32 @@ class OptimizationArguments:
             raise UsageError(
                 "`warmup_steps` must be at least 1 with `lr_schedule` inverse_sqrt: its peak is at the end of the "
                 "warmup (lr = learning_rate * min(step / warmup, sqrt(warmup / step)))"
+            )
+        self._check_muon()
+        self._check_wsd()
+
+    def _check_muon(self) -> None:
+        _choice(self, "optimizer")
+        check_range("muon_learning_rate", self.muon_learning_rate, above=0)
+        check_range("muon_momentum", self.muon_momentum, minimum=0, below=1)
+        if self.optimizer == "muon":
+            import torch
+
+            if not hasattr(torch.optim, "Muon"):
+                raise UsageError(
+                    f"--optimizer muon needs torch.optim.Muon, which torch 2.9 brought; this torch is "
+                    f"{torch.__version__}: pip install 'torch>=2.9', or use --optimizer adamw"
+                )
+
+    def _check_wsd(self) -> None:
+        check_range("decay_ratio", self.decay_ratio, above=0, maximum=1)
+        if self.lr_schedule != "wsd":
+            return
+        decay = decay_steps(self.max_steps, self.decay_ratio)
+        if self.warmup_steps + decay > self.max_steps:
+            raise UsageError(
+                f"`lr_schedule` wsd: --warmup-steps {self.warmup_steps} and the decay's {decay} steps (--decay-ratio "
+                f"{self.decay_ratio:g} of --max-steps {self.max_steps}) are more than --max-steps; shorten one"
             )
 
 

@@ -56,6 +56,26 @@ def settle_distributed_mode(accelerator) -> None:
         )
 
 
+def check_optimizer_mode(optimizer: str, accelerator) -> None:
+    """Muon under a sharding mode: refused before the run starts, in one line.
+
+    subtle: FSDP2 shards each parameter along its first dimension (DeepSpeed's ZeRO flattens and splits them),
+    so a process steps only its rows of a matrix; Muon's Newton-Schulz step orthogonalises the whole matrix, and
+    on a shard it would compute another update, silently. Under DDP every process holds the whole matrix and
+    the all-reduced gradient, and steps it alike. What the launcher asked for counts too (`ACCELERATE_USE_*`):
+    one process asked for FSDP is refused as the same command on two would be."""
+    if optimizer != "muon":
+        return
+    mode = accelerator.distributed_type
+    for name, wanted in (("FSDP", DistributedType.FSDP), ("DeepSpeed", DistributedType.DEEPSPEED)):
+        if mode == wanted or _asked(name.upper()):
+            raise UsageError(
+                f"--optimizer muon does not run under {name}: it shards each weight matrix across the processes, "
+                "and Muon's Newton-Schulz step needs the whole matrix; launch with DDP (cpu_two_processes.yaml, "
+                "ddp.yaml) or use --optimizer adamw"
+            )
+
+
 def accelerate_version() -> str:
     import accelerate
 

@@ -74,7 +74,7 @@ def run_record(
         model=ModelRecord(sum(p.numel() for p in model.parameters()), model.config.to_diff_dict()),
         procedure=ProcedureRecord(
             preset=args.preset,
-            optimizer="AdamW",
+            optimizer=optimizer_name(args),
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,
             weight_decay=args.weight_decay,
@@ -112,6 +112,16 @@ def run_record(
         base_model=args.init_from,  # made portable below, as every path in the record is
     )
     return without_local_paths(record.to_dict(), args.output_dir)
+
+
+def optimizer_name(args) -> str:
+    """The optimizer as the card states it (its betas and weight decay follow it there)."""
+    if args.optimizer == "muon":
+        return (
+            f"Muon on the blocks' linear weights (peak learning rate {args.muon_learning_rate:g}, momentum "
+            f"{args.muon_momentum:g}), AdamW on the rest"
+        )
+    return "AdamW"
 
 
 def training_record(args, state, seconds: float, exported_step: int, token_kind: str = "tokens") -> TrainingRecord:

@@ -36,7 +36,7 @@ from ..errors import MissingFile, UsageError
 from .callbacks import EarlyStopping, TrainerCallback, TrainerControl, default_callbacks
 from .checkpoints import Checkpoints, TrainerState
 from .distributed import one_module_per_tied_embedding, settle_distributed_mode
-from .optim import choose_mixed_precision, inverse_sqrt, optimizer_and_schedule, warmup_cosine
+from .optim import check_optimizer, choose_mixed_precision, inverse_sqrt, optimizer_and_schedule, warmup_cosine
 from .runlock import acquire_run_lock
 from .stops import STOP, NonFiniteLoss, TrainingInterrupted, deferred_stop, handle_stop_signals
 
@@ -74,6 +74,7 @@ class Trainer:
             cpu=cpu,
         )
         settle_distributed_mode(self.accelerator)  # FSDP on CPU processes; a DeepSpeed run that did not get it
+        check_optimizer(args, self.accelerator)  # Muon needs whole matrices: not FSDP, DeepSpeed or LoRA
         if self.accelerator.is_main_process:  # before any work: a second run into the folder stops here
             acquire_run_lock(args.output_dir, say=self.accelerator.print)
         for note in args.notes():  # settings that cannot do what they say: allowed, never silent
@@ -364,6 +365,8 @@ class Trainer:
             "tokens_per_second": self.tokens_since_log / busy,
             "data_wait_share": self.data_wait / busy,
         }
+        if self.args.optimizer == "muon":  # the last param group is Muon's (`optim.MuonWithAdamW`)
+            record["muon_learning_rate"] = self.scheduler.get_last_lr()[-1]
         self._reset_clock()
         return record
 
