@@ -8,7 +8,13 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 
-HIDDEN_ACTS = ("relu", "gelu", "gelu_new", "silu")
+HIDDEN_ACTS = ("relu", "gelu", "gelu_new", "silu", "relu2")
+# The encoder-decoder's: ReLU^2 is one of the speedrun's switches, the decoder-only model's alone (Marian and the
+# translation runtimes have no such activation).
+SEQ2SEQ_HIDDEN_ACTS = ("relu", "gelu", "gelu_new", "silu")
+# The fields the decoder-only model has and the encoder-decoder does not (the speedrun's switches, issue 48): passed
+# to `DerivSeq2SeqConfig`, each is refused by name rather than kept as an attribute no module reads.
+DECODER_ONLY_FIELDS = ("qk_norm", "zero_init_output_projections", "final_logit_softcapping")
 POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned", "rotary")
 NORM_TYPES = ("layer_norm", "rms_norm")
 
@@ -27,10 +33,10 @@ def _check_probability(config, *names):
             raise ValueError(f"`{name}` is a dropout probability and must lie in [0, 1), got {value!r}.")
 
 
-def _check_common(config):
+def _check_common(config, hidden_acts=HIDDEN_ACTS):
     """The checks both configs share: activation, positions, dropout, LayerNorm epsilon."""
-    if config.hidden_act not in HIDDEN_ACTS:
-        raise ValueError(f"`hidden_act` must be one of {HIDDEN_ACTS}, got {config.hidden_act!r}.")
+    if config.hidden_act not in hidden_acts:
+        raise ValueError(f"`hidden_act` must be one of {hidden_acts}, got {config.hidden_act!r}.")
     if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
         raise ValueError(
             f"`position_embedding_type` must be one of {POSITION_EMBEDDING_TYPES}, "
@@ -41,6 +47,13 @@ def _check_common(config):
     _check_probability(config, "dropout", "attention_dropout")
     if not config.layer_norm_eps > 0:
         raise ValueError(f"`layer_norm_eps` must be positive, got {config.layer_norm_eps!r}.")
+
+
+def _check_softcap(config):
+    """c in c tanh(z / c) is a positive, finite number of logit units, or None (no cap)."""
+    cap = config.final_logit_softcapping
+    if cap is not None and not 0 < cap < float("inf"):  # (nan fails both comparisons)
+        raise ValueError(f"`final_logit_softcapping` must be a positive number (or None: no cap), got {cap!r}.")
 
 
 @strict
@@ -121,7 +134,19 @@ class DerivConfig(PreTrainedConfig):
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02  # std of the linear layers at init
     use_cache: bool = True
-    tie_word_embeddings: bool = True  # output projection = token embedding^T (§3.4)
+    # True: the paper's output projection = token embedding^T (§3.4). False: the output projection W_out is a
+    # matrix of its own, `lm_head.weight` (Llama; the speedrun), drawn N(0, initializer_range^2) or zero (below).
+    tie_word_embeddings: bool = True
+    # The speedrun's switches (modded-nanogpt; issue 48), each off by default. True: each head's queries and keys are
+    # RMS-normalised with a learned gain before the rotation, q <- g_q * q / rms(q), k <- g_k * k / rms(k), over its
+    # d_k dimensions (QK-norm; Qwen3's `q_norm` / `k_norm`, OLMo 2): no score can grow by the queries' and keys'
+    # length alone, the softmax saturates less, and larger learning rates stay stable.
+    qk_norm: bool = False
+    # True: at initialisation W^O and W_2 of every block, and an untied output projection, are zero: each block
+    # starts as the identity on the residual stream (modded-nanogpt). Read by `_init_weights` only.
+    zero_init_output_projections: bool = False
+    # c: logits = c * tanh(z / c), each logit smoothly bounded to (-c, c) (Gemma 2's name and meaning); None: z.
+    final_logit_softcapping: float | None = None
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -172,6 +197,7 @@ class DerivConfig(PreTrainedConfig):
         if self.position_embedding_type == "rotary" and not self.rope_theta > 0:
             raise ValueError(f"`rope_theta` must be positive, got {self.rope_theta!r}.")
         _check_common(self)
+        _check_softcap(self)
 
 
 @strict
@@ -244,6 +270,13 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
         # becomes vocab_size), where None is no vocabulary size. Marian's config does the same.
         if self.decoder_vocab_size is None:
             self.decoder_vocab_size = self.vocab_size
+        given = [name for name in DECODER_ONLY_FIELDS if name in kwargs]
+        if given:
+            # subtle: an unknown keyword would otherwise become a plain attribute (saved, never read): a translator
+            # asked for QK-norm would train without it and say nothing
+            raise ValueError(
+                f"`{given[0]}` is a switch of the decoder-only model (DerivConfig); the encoder-decoder has none."
+            )
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
@@ -267,7 +300,7 @@ class DerivSeq2SeqConfig(PreTrainedConfig):
                     f"`hidden_size` ({self.hidden_size}) must be divisible by `{side}_attention_heads` ({heads}): "
                     f"each head gets hidden_size / {side}_attention_heads dimensions."
                 )
-        _check_common(self)
+        _check_common(self, SEQ2SEQ_HIDDEN_ACTS)
         if self.position_embedding_type == "rotary":
             # subtle: rotary needs a rotation in self-attention and none in cross-attention, and the translation
             # model's runtimes (Marian, CTranslate2) have no such model: one more switch nothing would read.

@@ -19,6 +19,12 @@ Where the code departs from the 2017 paper, on purpose:
   network, SwiGLU with "silu" (Shazeer 2020); `num_key_value_heads` < h shares each key/value head among several
   query heads (grouped-query attention, Ainslie et al. 2023). `bias=False` drops every bias. All of them together,
   with pre-LN and no embedding scale, are Llama, whose weights `deriv import` loads.
+- Five more are the speedrun's (modded-nanogpt; issue 48), each off by default: `qk_norm=True` RMS-normalises each
+  head's queries and keys before the rotation (Qwen3's `q_norm` / `k_norm`); `hidden_act="relu2"` is ReLU(x)^2
+  (So et al. 2021, Primer); `tie_word_embeddings=False` gives the output projection a matrix of its own;
+  `zero_init_output_projections=True` starts W^O, W_2 and an untied head at zero; `final_logit_softcapping=c` bounds
+  each logit to (-c, c) by c tanh(z / c) (Gemma 2). With Llama's switches and `qk_norm`, that is Qwen3, which
+  `deriv export --to qwen3` writes.
 - Initialisation (the paper gives none): linear layers N(0, 0.02^2), token embedding N(0, 1/d_model) so that
   the sqrt(d_model)-scaled embedding has unit variance like the sinusoid, and the LayerNorm that feeds the tied
   output projection starts with a gain below 1, so that an untrained model starts at the loss of a uniform
@@ -217,6 +223,17 @@ class DerivRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def qk_norms(config, head_dim: int) -> tuple[nn.Module, nn.Module]:
+    """QK-norm (`qk_norm=True`): q <- g_q * q / rms(q) and k <- g_k * k / rms(k), each head's d_k dimensions
+    normalised with a learned gain of d_k (the gain shared by the heads, as Qwen3's `q_norm` / `k_norm`), eps
+    `layer_norm_eps`. Then |q . k| <= |g_q| |g_k| d_k whatever the projections learn: no score grows by the lengths of
+    q and k alone (Henry et al. 2020; Dehghani et al. 2023), the softmax saturates less and larger learning rates
+    stay stable. The identity otherwise (the paper), so that the attention has one code path."""
+    if getattr(config, "qk_norm", False):  # (the encoder-decoder's config has no such field: never)
+        return DerivRMSNorm(head_dim, eps=config.layer_norm_eps), DerivRMSNorm(head_dim, eps=config.layer_norm_eps)
+    return nn.Identity(), nn.Identity()
+
+
 def norm_layer(config) -> nn.Module:
     """The normalisation every block (and pre-LN's final norm) uses: the paper's LayerNorm, with or without its
     bias (`bias`), or RMSNorm (`norm_type="rms_norm"`)."""
@@ -331,8 +348,9 @@ class DerivAttention(nn.Module):
         self.q_proj = nn.Linear(d, d, bias=config.bias)
         self.k_proj = nn.Linear(d, kv_dim, bias=config.bias)
         self.v_proj = nn.Linear(d, kv_dim, bias=config.bias)
-        self.o_proj = nn.Linear(d, d, bias=config.bias)  # W^O
+        self.o_proj = mark_output_projection(nn.Linear(d, d, bias=config.bias), "block")  # W^O
         self.rotary = DerivRotary() if config.position_embedding_type == "rotary" else DerivNoRotary()
+        self.q_norm, self.k_norm = qk_norms(config, self.head_dim)  # per head, before the rotation; or identities
 
     def forward(
         self,
@@ -347,8 +365,9 @@ class DerivAttention(nn.Module):
         `cache`: this stack's own KV cache (the self-attention half of an encoder-decoder's)."""
         input_shape = hidden_states.shape[:-1]  # (B, T)
         hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, h, d_k)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h, T, d_k)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, h_kv, T, d_k)
+        # QK-norm over each head's d_k dimensions (the identity unless `qk_norm`), then the rotation: Qwen3's order
+        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, h, T, d_k)
+        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, h_kv, T, d_k)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         query, key = self.rotary(query, key, position_embeddings)
         if cache is not None:
@@ -428,7 +447,8 @@ class DerivMLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)  # (d -> d_ff)
         self.act_fn = ACT2FN[config.hidden_act]
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)  # (d_ff -> d)
+        fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.fc2 = mark_output_projection(fc2, "block")  # W_2: (d_ff -> d)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act_fn(self.fc1(hidden_states)))
@@ -559,6 +579,11 @@ class DerivPreTrainedModel(PreTrainedModel):
         input, and the first hundreds of steps pay for it; a gain of 1/4 reaches ln V too but learns slower
         (docs/results.md). The gain is a parameter the model learns from there, and needs no config field
         that old folders lack.
+
+        Untied (`tie_word_embeddings=False`), the output projection is its own N(0, 0.02^2) matrix W and none of
+        that applies: no logit is a token's product with itself, z_j = h . w_j ~ N(0, d 0.02^2) for every j, so the
+        gain stays 1 (see `untied_or_zeroed`). With `zero_init_output_projections`, W^O and W_2 start at zero (and
+        an untied W too: every logit 0, the first loss exactly ln V).
         """
         super()._init_weights(module)  # linear N(0, initializer_range) with zero bias, LayerNorm (1, 0)
         # subtle: init.* skips tensors from_pretrained has loaded, so exported folders (whatever init they were
@@ -574,11 +599,34 @@ class DerivPreTrainedModel(PreTrainedModel):
             scaled = module.embed_scale != 1.0
             std = module.embedding_dim**-0.5 if scaled else self.config.initializer_range
             init.normal_(module.weight, mean=0.0, std=std)
+        elif self.untied_or_zeroed(module):
+            pass
         elif getattr(module, "feeds_output_projection", False):
             d = self.config.hidden_size
             # V is the output's: an encoder-decoder with two vocabularies scores the target's, decoder_vocab_size
             vocab = getattr(self.config, "decoder_vocab_size", None) or self.config.vocab_size
             init.constant_(module.weight, min(0.5, math.log(vocab) / math.sqrt(d)))
+
+    def untied_or_zeroed(self, module: nn.Module) -> bool:
+        """The speedrun's initialisation (modded-nanogpt), for `_init_weights`; whether it handled `module`.
+
+        `zero_init_output_projections`: W^O (`o_proj`) and W_2 (`fc2`) of every block are zero (their biases
+        already are), so each block starts as the identity on the residual stream (x + Sublayer(x) = x under pre-LN;
+        LayerNorm(x + 0) under post-LN): the embedding reaches the head undisturbed and each block learns its
+        increment from zero. An untied output projection starts at zero too; a tied one is the embedding, which
+        stays as drawn. (Only here: a loaded folder keeps its weights, `init.*` skipping loaded tensors.)"""
+        zeroed = getattr(self.config, "zero_init_output_projections", False)
+        tied = getattr(self.config, "tie_word_embeddings", True)
+        kind = getattr(module, "output_projection", None)  # "block" (W^O, W_2) or "head": `mark_output_projection`
+        if zeroed and (kind == "block" or (kind == "head" and not tied)):
+            init.zeros_(module.weight)
+            return True
+        # subtle: the gain below 1 on the norm feeding the projection guards against the tied head's bet that each
+        # token repeats itself (z_t = g sqrt(2d/3)); an untied head makes no such bet (its logits are N(0, d 0.02^2)
+        # at any gain, 0.1 at d = 256), and a small gain would only shrink the signal and the gradient it gets.
+        # Decoder-only: the encoder-decoder's untied two-vocabulary case keeps the gain it always had.
+        untied = isinstance(self.config, DerivConfig) and not self.config.tie_word_embeddings
+        return untied and getattr(module, "feeds_output_projection", False)  # LayerNorm's (1, 0): the library's
 
 
 def check_parallel_sizes(config, distributed_config) -> None:
@@ -606,6 +654,17 @@ def holds_first_block(layers: nn.ModuleList) -> bool:
     does. Asked of the block, not of `embed_tokens`: a stage that ties the output projection to the embedding keeps
     the embedding on the last stage too (both engines do), where adding positions again would be wrong."""
     return not isinstance(layers[0], nn.Identity)
+
+
+def mark_output_projection(linear: nn.Linear, kind: str) -> nn.Linear:
+    """Mark a map out of a sub-layer into the residual stream (`kind` "block": W^O, W_2) or out of the model ("head")
+    for `_init_weights`, which zeroes it under `zero_init_output_projections`.
+
+    subtle: the mark is on the linear layer itself because the library initialises module by module and skips a
+    module of custom code that holds no parameter of its own (an attention, a feed-forward, the model with its head):
+    their `_init_weights` never runs, so it cannot reach into them."""
+    linear.output_projection = kind
+    return linear
 
 
 def mark_output_norm(layers: nn.ModuleList, norm: nn.Module, pre_norm: bool) -> None:
@@ -832,7 +891,9 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = DerivModel(config)
         # as many rows as the embedding (padded_vocab_size); forward() returns the first vocab_size columns
-        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.lm_head = mark_output_projection(
+            nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False), "head"
+        )
         self.post_init()
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
@@ -910,11 +971,17 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
         )
 
     def logits_of(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """h W_E^T for every id: (B, T, vocab_size). The padding rows of a padded vocabulary (their columns) are no
-        token and are cut off here (a view), so that no softmax, sampler or loss downstream ever sees them."""
+        """z = h W_E^T for every id: (B, T, vocab_size). The padding rows of a padded vocabulary (their columns) are no
+        token and are cut off here (a view), so that no softmax, sampler or loss downstream ever sees them.
+
+        With `final_logit_softcapping` c: c tanh(z / c), each logit bounded to (-c, c) and near z where |z| << c
+        (Gemma 2; modded-nanogpt), so the model cannot buy a lower loss by growing one logit without end. Here, so
+        that forward(), generate(), the decode loop and pipelines all see the capped logits (the chunked loss caps
+        its own, `linear_cross_entropy`)."""
         logits = self.lm_head(hidden_states)
-        vocab_size = self.config.vocab_size
-        return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
+        vocab_size, cap = self.config.vocab_size, self.config.final_logit_softcapping
+        logits = logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def chunked_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, chunk_size: int, **kwargs):
         """`loss_function`'s loss (the label shift, -100 ignored, `num_items_in_batch`) from the hidden states,
@@ -938,6 +1005,7 @@ class DerivForCausalLM(DerivPreTrainedModel, GenerationMixin):
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             ignore_index=kwargs.get("ignore_index", -100),
             shift_labels=kwargs.get("shift_labels"),
+            softcap=self.config.final_logit_softcapping,
         )
 
     def generate(self, *args, decode_loop: str | None = None, **kwargs):

@@ -5,7 +5,9 @@ sinusoid and rotation with Python's math module and its own causal mask, and sha
 The modern switches are written from their papers: rotary positions turn each pair (j, j + d_k/2) of a query
 or key by pos / theta^(2j/d_k) (RoFormer, in the pairing Llama's checkpoints use), RMSNorm divides by the root
 mean square, the gated feed-forward multiplies act(x W_g) into x W_1, and grouped-query head i reads key/value
-head i // (h / h_kv).
+head i // (h / h_kv). The speedrun's (issue 48) likewise: QK-norm divides each head's query and key rows by their
+root mean square and multiplies by the gain, before the rotation (Qwen3); ReLU^2 is max(0, x)^2; the soft cap is
+c tanh(z / c) on the logits; an untied head is `lm_head.weight` itself.
 """
 
 import math
@@ -54,7 +56,12 @@ def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tens
     d_k = d // h
     h_kv = getattr(config, "num_key_value_heads", None) or h
     rotary = config.position_embedding_type == "rotary"
-    act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}[config.hidden_act]
+    act = {
+        "relu": torch.relu,
+        "gelu": torch.nn.functional.gelu,
+        "silu": torch.nn.functional.silu,
+        "relu2": lambda v: torch.clamp(v, min=0) ** 2,
+    }[config.hidden_act]
     emb = sd["model.embed_tokens.weight"]
     x = emb[input_ids] * (math.sqrt(d) if config.scale_embedding else 1.0)
     if not rotary:
@@ -75,13 +82,16 @@ def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tens
         def ln(name, v, p=p):
             return norm(v, p + name)
 
-        def attention(v):
+        def attention(v, p=p):
             q, k, val = lin("self_attn.q_proj", v), lin("self_attn.k_proj", v), lin("self_attn.v_proj", v)
             heads = []
             for i in range(h):
                 j = i // (h // h_kv)  # the key/value head query head i reads
                 qi = q[:, i * d_k : (i + 1) * d_k]
                 ki, vi = k[:, j * d_k : (j + 1) * d_k], val[:, j * d_k : (j + 1) * d_k]
+                if getattr(config, "qk_norm", False):  # each row of this head: g * v / rms(v), then the rotation
+                    qi = rms_norm(qi, sd[p + "self_attn.q_norm.weight"], config.layer_norm_eps)
+                    ki = rms_norm(ki, sd[p + "self_attn.k_norm.weight"], config.layer_norm_eps)
                 if rotary:
                     qi, ki = rotate(qi, config.rope_theta), rotate(ki, config.rope_theta)
                 scores = qi @ ki.T / math.sqrt(d_k)
@@ -104,4 +114,6 @@ def reference_logits(state: dict, config, input_ids: torch.Tensor) -> torch.Tens
     if config.pre_norm:
         x = norm(x, "model.norm")
     head = sd.get("lm_head.weight", emb)
-    return x @ head.T
+    logits = (x @ head.T)[:, : config.vocab_size]
+    cap = getattr(config, "final_logit_softcapping", None)
+    return logits if cap is None else cap * torch.tanh(logits / cap)

@@ -56,10 +56,31 @@ MODERN_VARIANTS = [
     {"bias": False, "pre_norm": True},
     LLAMA_SWITCHES,
 ]
+# The speedrun's model switches (issue 48) on Llama's, all together: QK-norm, ReLU^2 in the two-matrix feed-forward,
+# an untied head, a soft cap small enough to bend these logits (zero-initialised projections are an init only).
+SPEEDRUN_SWITCHES = {
+    **LLAMA_SWITCHES,
+    "qk_norm": True,
+    "hidden_act": "relu2",
+    "gated_mlp": False,
+    "tie_word_embeddings": False,
+    "final_logit_softcapping": 1.5,
+}
+SPEEDRUN_VARIANTS = [
+    {"qk_norm": True},
+    {"qk_norm": True, "position_embedding_type": "rotary", "num_key_value_heads": 2},
+    {"hidden_act": "relu2"},
+    {"hidden_act": "relu2", "gated_mlp": True},
+    {"tie_word_embeddings": False},
+    {"final_logit_softcapping": 1.5},
+    SPEEDRUN_SWITCHES,
+]
 
 
 @pytest.mark.parametrize(
-    "variant", [{}, {"pre_norm": True}, {"hidden_act": "gelu"}, *MODERN_VARIANTS], ids=lambda v: str(v)
+    "variant",
+    [{}, {"pre_norm": True}, {"hidden_act": "gelu"}, *MODERN_VARIANTS, *SPEEDRUN_VARIANTS],
+    ids=lambda v: str(v),
 )
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_logits_match_independent_reference(variant, attn):

@@ -78,11 +78,12 @@ def _kv_heads_divide(heads: int, kv_heads: int | None) -> None:
         )
 
 
-def _hidden_act(value: str) -> None:
-    from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS
+def _hidden_act(value: str, seq2seq: bool = False) -> None:
+    from ..modeling_deriv.configuration_deriv import HIDDEN_ACTS, SEQ2SEQ_HIDDEN_ACTS
 
-    if value not in HIDDEN_ACTS:
-        raise UsageError(f"`hidden_act` must be one of {', '.join(HIDDEN_ACTS)}; got {value!r}")
+    allowed = SEQ2SEQ_HIDDEN_ACTS if seq2seq else HIDDEN_ACTS
+    if value not in allowed:
+        raise UsageError(f"`hidden_act` must be one of {', '.join(allowed)}; got {value!r}")
 
 
 # The pip package of each accelerate tracker whose name is not its package's.
@@ -241,7 +242,9 @@ class ModelArguments:
     num_hidden_layers: int = arg(4, "layers")
     num_attention_heads: int = arg(4, "heads; each gets hidden_size / heads dimensions")
     intermediate_size: int = arg(1024, "d_ff, the feed-forward width")
-    hidden_act: Literal["relu", "gelu", "gelu_new", "silu"] = arg("relu", "the feed-forward activation")
+    hidden_act: Literal["relu", "gelu", "gelu_new", "silu", "relu2"] = arg(
+        "relu", "the feed-forward activation (relu2: ReLU(x)^2, Primer's and the speedrun's)"
+    )
     pre_norm: bool = arg(False, "LayerNorm before each sublayer (GPT-2) instead of after it (the paper)")
     position_embedding_type: Literal["sinusoidal", "learned", "rotary"] = arg(
         "sinusoidal",
@@ -266,6 +269,23 @@ class ModelArguments:
     scale_embedding: bool = arg(
         True, "multiply the token embeddings by sqrt(d_model) (the paper's §3.4; --no-scale-embedding: GPT-2, Llama)"
     )
+    # the speedrun's model switches (modded-nanogpt; issue 48), each off by default
+    qk_norm: bool = arg(
+        False, "RMS-normalise each head's queries and keys, with a learned gain, before the rotation (Qwen3's QK-norm)"
+    )
+    tie_word_embeddings: bool = arg(
+        True,
+        "the output projection is the token embedding (the paper's §3.4); --no-tie-word-embeddings: a matrix of "
+        "its own (Llama, the speedrun), hidden_size x vocabulary more parameters",
+    )
+    zero_init_output_projections: bool = arg(
+        False,
+        "start W^O and W_2 of every block (and an untied output projection) at zero: each block starts as the "
+        "identity (modded-nanogpt)",
+    )
+    final_logit_softcapping: float | None = arg(
+        None, "cap the logits smoothly: C * tanh(logits / C), each in (-C, C) (Gemma 2; default: no cap)"
+    )
     dropout: float = arg(0.1, "dropout on embeddings, attention weights and sublayer outputs")
     pad_vocab_size_to_multiple_of: int = arg(
         1,
@@ -284,6 +304,9 @@ class ModelArguments:
         _new_model_context(self)
         check_range("dropout", self.dropout, minimum=0, below=1)
         check_range("rope_theta", self.rope_theta, above=0)
+        if self.final_logit_softcapping is not None:
+            check_range("final_logit_softcapping", self.final_logit_softcapping, above=0)
+            self.final_logit_softcapping = float(self.final_logit_softcapping)  # a file's 30: DerivConfig wants 30.0
         _hidden_act(self.hidden_act)
         _choice(self, "position_embedding_type")
         _choice(self, "norm_type")
@@ -318,7 +341,7 @@ class TranslationModelArguments:
         _positive(self, "max_position_embeddings", "hidden_size", "encoder_layers", "decoder_layers")
         _positive(self, "encoder_attention_heads", "decoder_attention_heads", "intermediate_size")
         check_range("dropout", self.dropout, minimum=0, below=1)
-        _hidden_act(self.hidden_act)
+        _hidden_act(self.hidden_act, seq2seq=True)
         for side in ("encoder", "decoder"):
             _heads_divide(self.hidden_size, getattr(self, f"{side}_attention_heads"), f"{side}_attention_heads")
 
