@@ -300,6 +300,24 @@ TRAIN_MT_CASES += [
     ["train", "translation", "--output-dir", OUT, "--files", name, *TINY_MT]
     for name in ("{missing}", "{empty_tsv}", "{onecol}", "{latin1_tsv}", "{emptydir}")
 ]
+# The speedrun's model switches (issue 48): the decoder's alone (the translation model has no such flag, nor relu2),
+# each bad value refused in one line naming its flag or field (FLAG_CASES below)
+SPEEDRUN_MODEL_FLAGS = [
+    (["--final-logit-softcapping", "0"], "`final_logit_softcapping`"),
+    (["--final-logit-softcapping", "-1"], "`final_logit_softcapping`"),
+    (["--final-logit-softcapping", "nan"], "`final_logit_softcapping`"),
+    (["--final-logit-softcapping", "high"], "--final-logit-softcapping"),
+    (["--hidden-act", "relu3"], "--hidden-act"),
+    (["--qk-norm", "maybe"], "--qk-norm"),
+    (["--no-tie-word-embeddings", "--tie-word-embeddings", "perhaps"], "--tie-word-embeddings"),
+]
+TRAIN_LM_CASES += [
+    ["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags] for flags, _ in SPEEDRUN_MODEL_FLAGS
+]
+TRAIN_MT_CASES += [
+    ["train", "translation", "--files", "{pairs}", "--output-dir", OUT, *flags]
+    for flags in (["--hidden-act", "relu2"], ["--qk-norm"], ["--final-logit-softcapping", "30"])
+]
 
 GENERATE_CASES = [
     ["generate", "{missing_dir}", "hello"],
@@ -589,6 +607,11 @@ FLAG_CASES = [
     (["bench", "gpu", "--dry-run", "--json", ""], "--json"),
     (["bench", "gpu", "--dry-run", "--json", "{a_file}/gpu.json"], "--json"),
     (["bench", "decoder", "--json", " "], "--json"),
+    *[
+        (["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags], flag)
+        for flags, flag in SPEEDRUN_MODEL_FLAGS
+    ],
+    (["train", "translation", "--files", "{pairs}", "--output-dir", OUT, "--hidden-act", "relu2"], "--hidden-act"),
 ]
 
 

@@ -37,6 +37,12 @@ def test_defaults_are_the_paper_base_model():
         (dict(dropout=1.5), "dropout"),
         (dict(attention_dropout=-0.1), "attention_dropout"),
         (dict(layer_norm_eps=0.0), "layer_norm_eps"),
+        # the speedrun's switches (issue 48)
+        (dict(hidden_act="relu3"), "hidden_act"),
+        (dict(final_logit_softcapping=0.0), "final_logit_softcapping"),
+        (dict(final_logit_softcapping=-30.0), "final_logit_softcapping"),
+        (dict(final_logit_softcapping=float("nan")), "final_logit_softcapping"),
+        (dict(final_logit_softcapping=float("inf")), "final_logit_softcapping"),
     ],
 )
 def test_impossible_config_fails_at_construction_naming_the_field(overrides, field):
@@ -45,9 +51,21 @@ def test_impossible_config_fails_at_construction_naming_the_field(overrides, fie
     assert f"`{field}`" in str(excinfo.value)
 
 
-def test_wrong_type_is_rejected():
-    with pytest.raises(Exception, match="hidden_size"):
-        DerivConfig(**{**TINY, "hidden_size": "32"})
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("hidden_size", "32"),
+        ("qk_norm", "yes"),
+        ("qk_norm", 1),
+        ("tie_word_embeddings", "no"),
+        ("zero_init_output_projections", None),
+        ("final_logit_softcapping", "30"),
+        ("final_logit_softcapping", True),
+    ],
+)
+def test_wrong_type_is_rejected(field, value):
+    with pytest.raises(Exception, match=f"'{field}'"):
+        DerivConfig(**{**TINY, field: value})
 
 
 def test_json_round_trip_and_auto_config(tmp_path):
