@@ -243,6 +243,13 @@ TRAIN_FLAGS = [
     ["--mixed-precision", "fp8"],
     ["--report-to", "wandb"],
     ["--lr-schedule", "linear"],
+    ["--optimizer", "sgd"],
+    ["--muon-learning-rate", "0"],
+    ["--muon-learning-rate", "-1"],
+    ["--muon-momentum", "1"],
+    ["--decay-ratio", "0"],
+    ["--decay-ratio", "1.5"],
+    ["--lr-schedule", "wsd", "--decay-ratio", "0.95"],  # the warmup and the decay are longer than the run
     ["--pad-vocab-size-to-multiple-of", "0"],
     ["--pad-vocab-multiple", "-64"],
     ["--pad-vocab-multiple", "1.5"],
@@ -503,6 +510,12 @@ FOUND_CASES = [
     ["bench", "decoder", "--json", " "],
 ]
 
+# Muon where it cannot run: LoRA's adapters (the update of a matrix is the product of two)
+OPTIMIZER_CASES = [
+    ["train", "sft", "--init-from", "{lm}", "--files", "{chats}", "--output-dir", OUT, "--lora", "--optimizer", "muon"]
+    + ["--max-steps", "1", "--batch-size", "2", "--no-progress", "--cpu"],
+]
+
 # Text that is not valid Unicode, at every command-line entry point for text: a byte that is not UTF-8 (`$'\xff'`
 # in a shell, which Python reads into argv as the surrogate \udcff) and a lone surrogate.
 TEXT_CASES = [
@@ -536,6 +549,7 @@ CASES = (
     + (NO_CUDA_CASES if not torch.cuda.is_available() else [])
     + TOP_CASES
     + FOUND_CASES
+    + OPTIMIZER_CASES
 )
 
 
@@ -612,6 +626,20 @@ FLAG_CASES = [
         for flags, flag in SPEEDRUN_MODEL_FLAGS
     ],
     (["train", "translation", "--files", "{pairs}", "--output-dir", OUT, "--hidden-act", "relu2"], "--hidden-act"),
+    (OPTIMIZER_CASES[0], "--optimizer muon"),
+]
+# the optimizer and the schedule (issue 48): each row of TRAIN_FLAGS names its flag, or the field of that name
+FLAG_CASES += [
+    (["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags], flag)
+    for flags, flag in [
+        (["--optimizer", "sgd"], "--optimizer"),
+        (["--muon-learning-rate", "0"], "`muon_learning_rate`"),
+        (["--muon-learning-rate", "-1"], "`muon_learning_rate`"),
+        (["--muon-momentum", "1"], "`muon_momentum`"),
+        (["--decay-ratio", "0"], "`decay_ratio`"),
+        (["--decay-ratio", "1.5"], "`decay_ratio`"),
+        (["--lr-schedule", "wsd", "--decay-ratio", "0.95"], "--decay-ratio 0.95"),
+    ]
 ]
 
 
@@ -623,6 +651,32 @@ def test_the_line_names_the_flag(case, flag, paths, capsys):
         status = stop.code
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert status == 2 and line.startswith("deriv: error: ") and flag in line, line
+
+
+# Muon where the run cannot give it whole matrices or where torch lacks it, the run otherwise good: the variable
+# `accelerate launch` sets for an FSDP config, and a torch older than 2.9 (the package's floor is 2.7).
+MUON_REFUSED = {
+    "under FSDP": lambda patch: patch.setenv("ACCELERATE_USE_FSDP", "true"),
+    "on a torch without Muon": lambda patch: patch.delattr(torch.optim, "Muon", raising=False),
+}
+
+
+@pytest.mark.parametrize("where", list(MUON_REFUSED))
+def test_muon_where_it_cannot_run_is_one_line_naming_the_flag(where, paths, monkeypatch, capsys):
+    MUON_REFUSED[where](monkeypatch)
+    out = OUT.format(**paths)
+    argv = ["train", "lm", "--files", paths["corpus"], "--output-dir", out, *TINY_LM, "--optimizer", "muon"]
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    finally:
+        left_behind = os.path.exists(out)
+        shutil.rmtree(out, ignore_errors=True)
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not PROGRESS.search(line)]
+    assert status == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith("deriv: error: --optimizer muon "), lines
+    assert not left_behind
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])
