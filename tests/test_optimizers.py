@@ -11,6 +11,7 @@ import torch
 from accelerate.utils import DistributedType
 from conftest import TINY_SEQ2SEQ, make_model
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from deriv_lm.errors import UsageError
 from deriv_lm.training.args import ChatTrainingArguments, TrainingArguments, decay_steps
@@ -386,3 +387,79 @@ def test_a_muon_run_stopped_at_step_2_and_resumed_ends_with_the_same_weights(muo
     assert whole.keys() == resumed.keys()
     for name in whole:
         assert torch.equal(whole[name], resumed[name]), name
+
+
+@needs_muon
+def test_chat_fine_tuning_of_every_weight_runs_with_muon(tmp_path):
+    """`deriv train sft --optimizer muon`: the same rule on the folder it starts from (LoRA is refused above)."""
+    from test_sft import chat_args, conversation
+
+    from deriv_lm.training.sft import train_sft
+
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(40)))
+    args = chat_args(tmp_path, chats, optimizer="muon", max_steps=2, eval_every=2, save_every=2, samples=0)
+    assert_muon_stepped_the_hidden_matrices(train_sft(args, cpu=True), AutoModelForCausalLM)
+
+
+def assert_muon_stepped_the_hidden_matrices(folder: str, auto_class) -> None:
+    """The checkpoint of step 2 holds Muon's momentum for each of the exported model's hidden matrices."""
+    state = torch.load(os.path.join(folder, "checkpoints", "step-0000002", "optimizer.bin"), weights_only=True)
+    model = auto_class.from_pretrained(folder)
+    assert sorted(state) == ["adamw", "muon"]
+    assert len(state["muon"]["state"]) == len(hidden_matrices(model)) > 0
+    run = json.loads(open(os.path.join(folder, "run.json")).read())
+    assert run["procedure"]["optimizer"].startswith("Muon") and run["training"]["steps"] == 2
+
+
+@needs_muon
+def test_a_translation_run_trains_with_muon(tmp_path):
+    from deriv_lm.training import TranslationTrainingArguments, train_translation
+
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("".join(f"open file {n}\töffne Datei {n}\n" for n in range(60)), encoding="utf-8")
+    shape = {k: v for k, v in TINY_SEQ2SEQ.items() if k != "vocab_size"}
+    args = TranslationTrainingArguments(
+        **{**shape, "max_position_embeddings": 24, "dropout": 0.0},
+        output_dir=str(tmp_path / "mt"),
+        files=[str(pairs)],
+        vocab_size=300,
+        optimizer="muon",
+        max_steps=2,
+        warmup_steps=1,
+        batch_size=8,
+        eval_every=2,
+        save_every=2,
+        num_beams=1,
+        bleu_pairs=4,
+        samples=0,
+        progress=False,
+    )
+    assert_muon_stepped_the_hidden_matrices(train_translation(args, cpu=True), AutoModelForSeq2SeqLM)
+
+
+@needs_muon
+@pytest.mark.slow
+def test_two_ddp_processes_with_muon_follow_one_process(tmp_path, corpus_file):
+    """Under DDP each process steps the whole matrix with the all-reduced gradient: two processes of batch 4 log,
+    step for step, the losses of one process of batch 4 x 2 accumulation steps (equal up to the order of float
+    summation, which Muon's bfloat16 Newton-Schulz step may round apart a little)."""
+    from test_distributed import LAUNCHERS, launch, losses
+    from test_training import tiny_args
+
+    from deriv_lm.training import train_lm
+
+    common = dict(batch_size=4, dropout=0.0, max_steps=8, eval_every=4, save_every=4, log_every=1)
+    one = tiny_args(tmp_path / "one", corpus_file, gradient_accumulation_steps=2, optimizer="muon", **common)
+    one.muon_learning_rate = 2e-2
+    train_lm(one, cpu=True)
+    tokenizer = os.path.join(one.output_dir, "tokenizer")
+    two = tiny_args(tmp_path / "two", corpus_file, cache_dir=one.cache_dir, tokenizer=tokenizer, **common)
+    output = launch(two, LAUNCHERS["accelerate config"], "--tokenizer", tokenizer, *MUON[:4])
+    assert "2 process(es) on cpu" in output
+    state = torch.load(os.path.join(two.checkpoint_dir, "step-0000008", "optimizer.bin"), weights_only=True)
+    assert sorted(state) == ["adamw", "muon"]  # the two processes stepped with Muon too
+    first, second = losses(one), losses(two)
+    assert len(first) == len(second) == 8
+    for a, b in zip(first, second, strict=True):
+        assert abs(a - b) < 1e-3, (first, second)
