@@ -54,8 +54,8 @@ def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear) or module is head:
             continue
-        weight = module.weight
-        if weight.requires_grad and id(weight) not in tables | seen:  # a tied head is the embedding: not a map
+        weight = module.weight  # subtle: a tied head is a Linear whose weight is the embedding's: not a map
+        if weight.requires_grad and id(weight) not in tables and id(weight) not in seen:
             chosen.append(weight)
             seen.add(id(weight))
     return chosen
