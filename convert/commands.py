@@ -22,18 +22,18 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """`deriv export FOLDER --to gpt2|llama|marian|onnx|ctranslate2|gguf --out DIR`."""
+    """`deriv export FOLDER --to gpt2|llama|qwen3|marian|onnx|ctranslate2|gguf --out DIR`."""
     parser.description = (
-        "Write a Deriv folder as its native twin (gpt2, llama, marian), loadable without trust_remote_code, or a "
-        "GPT-2-shaped one as an ONNX graph for ONNX Runtime (onnx; needs the onnx extra), or as a CTranslate2 model "
-        "through its twin (ctranslate2), or a Llama-shaped one as a GGUF file for llama.cpp (gguf); the last two "
-        "need the runtimes extra."
+        "Write a Deriv folder as its native twin (gpt2, llama, qwen3, marian), loadable without trust_remote_code, "
+        "or a GPT-2-shaped one as an ONNX graph for ONNX Runtime (onnx; needs the onnx extra), or as a CTranslate2 "
+        "model through its twin (ctranslate2), or a Llama-shaped one as a GGUF file for llama.cpp (gguf); the last "
+        "two need the runtimes extra."
     )
     parser.add_argument("folder", type=model_folder, help="a Deriv model folder")
     parser.add_argument(
         "--to",
         required=True,
-        choices=["gpt2", "llama", "marian", "onnx", "ctranslate2", "gguf"],
+        choices=["gpt2", "llama", "qwen3", "marian", "onnx", "ctranslate2", "gguf"],
         help="the native architecture or runtime",
     )
     parser.add_argument("--out", required=True, help="the folder (the file, for gguf) to write (must not exist yet)")

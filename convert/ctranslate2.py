@@ -1,11 +1,11 @@
 """A Deriv folder as a CTranslate2 model: the native twin first, then CTranslate2's own converter on it.
 
 `deriv export FOLDER --to ctranslate2 --out DIR [--quantization float32|int8|int8_float32]` writes the folder's
-native twin (`folders.EXPORTERS`: llama for a Llama-shaped decoder, gpt2 for a GPT-2-shaped one, marian for an
-encoder-decoder) into a temporary folder, then runs `ctranslate2.converters.TransformersConverter`, the
-ecosystem's converter, which loads that twin with transformers' own classes. A folder with no twin is refused
-with the twin exporter's message, which names the switches that differ. A native folder of those three types
-converts as it is.
+native twin (`folders.EXPORTERS`: llama for a Llama-shaped decoder, qwen3 for one with QK-norm too, gpt2 for a
+GPT-2-shaped one, marian for an encoder-decoder) into a temporary folder, then runs
+`ctranslate2.converters.TransformersConverter`, the ecosystem's converter, which loads that twin with transformers'
+own classes. A folder with no twin is refused with the twin exporter's message, which names the switches that
+differ. A native folder of those four types converts as it is.
 
 One change to the converter, for Marian only (`_MarianTwinLoader`): CTranslate2's Marian loader assumes an
 OPUS-MT vocabulary, whose `<pad>` is the last id, and drops that last row of the embeddings and projection and
@@ -32,12 +32,15 @@ from .llama import refuse_other_activations
 QUANTIZATIONS = ("float32", "int8", "int8_float32")
 
 # The twin each Deriv model type goes through, and the native types CTranslate2 reads as they are.
-_NATIVE = ("gpt2", "llama", "marian")
+_NATIVE = ("gpt2", "llama", "qwen3", "marian")
+# The activations CTranslate2's converter maps (its `_SUPPORTED_ACTIVATIONS`) among Deriv's: not ReLU^2
+_ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 
 
 def twin_kind(folder: str | os.PathLike) -> str:
     """Which native twin a folder converts through: marian for an encoder-decoder, llama for a rotary decoder
-    (the Llama-shaped switches), gpt2 for any other decoder (the GPT-2 exporter says which switches differ)."""
+    (the Llama-shaped switches), qwen3 for one with QK-norm too, gpt2 for any other decoder (the GPT-2 exporter says
+    which switches differ)."""
     kind = model_type(folder)
     if kind in _NATIVE:
         return kind
@@ -47,8 +50,23 @@ def twin_kind(folder: str | os.PathLike) -> str:
         raise UsageError(
             f"{folder} is a {kind!r} model; deriv export --to ctranslate2 reads deriv, deriv_seq2seq, {_NATIVE}."
         )
-    rotary = read_folder(folder).config.get("position_embedding_type") == "rotary"
-    return "llama" if rotary else "gpt2"
+    config = read_folder(folder).config
+    if config.get("position_embedding_type") != "rotary":
+        return "gpt2"
+    return "qwen3" if config.get("qk_norm") else "llama"
+
+
+def _refuse_activation(folder: str | os.PathLike, kind: str) -> None:
+    """CTranslate2's Llama and Qwen3 always gate with SiLU; its other models take the activations it maps, which
+    ReLU^2 is not: refused by name, before the twin is written, rather than converted into another network."""
+    hidden_act = read_folder(folder).config.get("hidden_act", "silu" if kind in ("llama", "qwen3") else "gelu_new")
+    if kind in ("llama", "qwen3"):
+        refuse_other_activations(folder, hidden_act, "CTranslate2")
+    elif hidden_act not in _ACTIVATIONS:
+        raise UsageError(
+            f"{folder} has hidden_act={hidden_act!r}; CTranslate2 has no such activation (it maps "
+            f"{', '.join(_ACTIVATIONS)} from Deriv's), so it would run another network."
+        )
 
 
 def _refuse_two_vocabularies(folder: str | os.PathLike) -> None:
@@ -73,8 +91,7 @@ def export_ctranslate2(folder: str | os.PathLike, out: str | os.PathLike, quanti
     kind = twin_kind(folder)
     if kind == "marian":
         _refuse_two_vocabularies(folder)
-    if kind == "llama":
-        refuse_other_activations(folder, read_folder(folder).config.get("hidden_act", "silu"), "CTranslate2")
+    _refuse_activation(folder, kind)
     if kind not in EXPORTERS and model_type(folder) != kind:
         raise UsageError(f"{folder} needs a {kind} twin, and deriv export has no {kind} exporter in this version.")
     with tempfile.TemporaryDirectory(prefix="deriv-ct2-") as scratch:

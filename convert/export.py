@@ -17,7 +17,7 @@ RUNTIMES = ["onnx", "ctranslate2", "gguf"]
 
 
 def export_model(folder: str | os.PathLike, to: str, out: str | os.PathLike, **options) -> str:
-    """Write a Deriv folder as `to` (gpt2, llama, marian, onnx, ctranslate2, gguf) in `out`; a folder of another
+    """Write a Deriv folder as `to` (gpt2, llama, qwen3, marian, onnx, ctranslate2, gguf) in `out`; a folder of another
     type is refused. `options`: ctranslate2's `quantization`, gguf's `outtype`."""
     if to == "onnx":  # (which also takes a native GPT-2 folder, as `native_gpt2` does)
         from .onnx import export_onnx

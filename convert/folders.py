@@ -237,31 +237,44 @@ def import_llama(source: str, out: str | os.PathLike) -> str:
     return str(out)
 
 
-def native_llama(folder: str | os.PathLike):
-    """The `LlamaForCausalLM` a folder holds: itself (a Llama folder) or the twin of a Llama-shaped Deriv one."""
-    from transformers import LlamaForCausalLM
+# The Llama family's native classes: Llama, and Qwen3 (Llama with QK-norm), each with its config builder
+LLAMA_FAMILY = {"llama": ("LlamaForCausalLM", llama.llama_config), "qwen3": ("Qwen3ForCausalLM", llama.qwen3_config)}
 
+
+def native_llama(folder: str | os.PathLike, family: str = "llama"):
+    """The `LlamaForCausalLM` (family "qwen3": `Qwen3ForCausalLM`) a folder holds: itself (a folder of that type) or
+    the twin of a Deriv one with that family's switches."""
+    import transformers
+
+    class_name, config_of = LLAMA_FAMILY[family]
+    native_class = getattr(transformers, class_name)
     kind = model_type(folder)
-    if kind == "llama":
-        return load_weights(LlamaForCausalLM, folder).eval()
+    if kind == family:
+        return load_weights(native_class, folder).eval()
     if kind != "deriv":
-        raise UsageError(f"{folder} is a {kind!r} model, not a decoder with a Llama twin (deriv or llama).")
+        raise UsageError(f"{folder} is a {kind!r} model, not a decoder with a {class_name} twin (deriv or {family}).")
     model = load_weights(DerivForCausalLM, folder)
-    config = llama.llama_config(model.config)  # says which switches differ, where there is no twin
-    native = LlamaForCausalLM(config)
+    config = config_of(model.config)  # says which switches differ, where there is no twin
+    native = native_class(config)
     tied = config.tie_word_embeddings
     _load_exact(native, llama.to_llama(vocabulary_rows(model), tied), {"lm_head.weight"} if tied else set())
     return native.eval()
 
 
-def export_llama(folder: str | os.PathLike, out: str | os.PathLike) -> str:
-    """A Deriv decoder folder with Llama's switches as a `LlamaForCausalLM` folder (no Deriv code in it)."""
+def export_llama(folder: str | os.PathLike, out: str | os.PathLike, family: str = "llama") -> str:
+    """A Deriv decoder folder with Llama's switches as a `LlamaForCausalLM` folder (family "qwen3": with Qwen3's, as
+    a `Qwen3ForCausalLM` folder), with no Deriv code in it."""
     _refuse_existing(out)
-    native = native_llama(folder)
+    native = native_llama(folder, family)
     with atomic_directory(out) as tmp:
         _carry_tokenizer_and_generation(str(folder), tmp, native)
         native.save_pretrained(tmp)
     return str(out)
+
+
+def export_qwen3(folder: str | os.PathLike, out: str | os.PathLike) -> str:
+    """A Deriv decoder folder with Qwen3's switches (Llama's, QK-norm, no bias) as a `Qwen3ForCausalLM` folder."""
+    return export_llama(folder, out, family="qwen3")
 
 
 _MARIAN_TABLES = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
@@ -305,7 +318,7 @@ def export_marian(folder: str | os.PathLike, out: str | os.PathLike) -> str:
 
 
 IMPORTERS = {"gpt2": import_gpt2, "llama": import_llama, "marian": import_marian}
-EXPORTERS = {"gpt2": export_gpt2, "llama": export_llama, "marian": export_marian}
+EXPORTERS = {"gpt2": export_gpt2, "llama": export_llama, "qwen3": export_qwen3, "marian": export_marian}
 
 
 def model_type(folder: str | os.PathLike) -> str | None:

@@ -38,6 +38,8 @@ GPT2_TOP = {
     "model.norm.bias": "transformer.ln_f.bias",
 }
 _QKV = ("q_proj", "k_proj", "v_proj")  # c_attn's three column blocks, in this order
+# the switches by which the paper's decoder differs from GPT-2 (the refusal's message explains those)
+PAPER_SWITCHES = ("pre_norm", "position_embedding_type", "scale_embedding")
 
 
 def deriv_config(gpt2) -> DerivConfig:
@@ -84,13 +86,24 @@ def gpt2_config(config: DerivConfig):
         "gated_mlp": False,
         "num_key_value_heads": config.num_attention_heads,
         "bias": True,
+        "qk_norm": False,
+        "final_logit_softcapping": None,
     }
+    # (zero_init_output_projections is an initialisation: a trained folder is plain weights; ReLU^2 goes as it is,
+    # GPT-2 reading `activation_function` from transformers' table, where "relu2" is ReLU(x)^2)
     wrong = [f"{k}={getattr(config, k)!r} (GPT-2: {v!r})" for k, v in needed.items() if getattr(config, k) != v]
     if wrong or not config.tie_word_embeddings:
+        paper = any(getattr(config, k) != v for k, v in needed.items() if k in PAPER_SWITCHES)
         wrong += [] if config.tie_word_embeddings else ["tie_word_embeddings=False (GPT-2: True)"]
         raise UsageError(
-            "This Deriv model has no GPT-2 twin: " + ", ".join(wrong) + ". The paper's default decoder (post-LN, "
-            "sinusoid, scaled embedding) is not an architecture GPT2LMHeadModel can run; see docs/convert.md."
+            "This Deriv model has no GPT-2 twin: "
+            + ", ".join(wrong)
+            + (
+                ". The paper's default decoder (post-LN, sinusoid, scaled embedding) is not an architecture "
+                "GPT2LMHeadModel can run; see docs/convert.md."
+                if paper
+                else "; see docs/convert.md."
+            )
         )
     return GPT2Config(
         vocab_size=config.vocab_size,

@@ -11,6 +11,11 @@ Llama (Touvron et al. 2023) is Deriv's decoder with these switches thrown:
     bias=False                           no bias in any projection (Llama's attention_bias = mlp_bias)
     dropout=0.0                          Llama has no dropout on the residual stream
 
+Qwen3 (Yang et al. 2025) is Llama with one more switch, `qk_norm=True`: each head's queries and keys RMS-normalised
+with a gain of head_dim before the rotation, under the same names as Deriv's (`self_attn.q_norm`, `self_attn.k_norm`);
+its feed-forward has no bias, so `bias=False` too (`QWEN3_SWITCHES`). `deriv export --to qwen3` writes it;
+`--to llama` refuses a QK-normalised model, naming the switch, since Llama has none.
+
 Unlike GPT-2's, Llama's weights need no reshaping: every matrix is an `nn.Linear` in both, q, k and v are
 separate in both, and Deriv rotates in Llama's "half" layout (dimension j pairs with j + head_dim/2), so the q
 and k rows copy without a permutation. Only the names differ: `LLAMA_NAMES` is the whole mapping, one line per
@@ -44,6 +49,8 @@ LLAMA_SWITCHES = {
     "gated_mlp": True,
     "scale_embedding": False,
 }
+# Qwen3's: Llama's, QK-norm, and no bias (Qwen3's MLP has none; its attention's would be `attention_bias`)
+QWEN3_SWITCHES = {**LLAMA_SWITCHES, "qk_norm": True, "bias": False}
 
 
 def _rope(llama) -> dict:
@@ -131,25 +138,22 @@ def refuse_other_activations(folder, hidden_act: str, runtime: str) -> None:
         )
 
 
-def llama_config(config: DerivConfig):
-    """The `LlamaConfig` of a Deriv decoder that has Llama's switches; says which switches are off otherwise.
-
-    Residual dropout (`dropout`) is a training setting with no Llama twin; it changes nothing at inference, so
-    the export has none rather than being refused."""
-    from transformers import LlamaConfig
-
+def _switches_off(config: DerivConfig, switches: dict, family: str) -> list[str]:
+    """Each switch of `switches` that `config` has otherwise, as "name=value (Family: wanted)"; and the final-logit
+    soft cap, which neither Llama nor Qwen3 has (Gemma 2 does, with the rest of its own architecture)."""
     wrong = [
-        f"{name}={getattr(config, name, None)!r} (Llama: {value!r})"
-        for name, value in LLAMA_SWITCHES.items()
+        f"{name}={getattr(config, name, None)!r} ({family}: {value!r})"
+        for name, value in switches.items()
         if getattr(config, name, None) != value
     ]
-    if wrong:
-        raise UsageError(
-            "This Deriv model has no Llama twin: " + ", ".join(wrong) + ". The paper's default decoder (post-LN, "
-            "sinusoid, LayerNorm, ReLU MLP, scaled embedding) is not an architecture LlamaForCausalLM can run; see "
-            "docs/convert.md."
-        )
-    return LlamaConfig(
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        wrong.append(f"final_logit_softcapping={config.final_logit_softcapping!r} ({family}: None, no soft cap)")
+    return wrong
+
+
+def _twin_fields(config: DerivConfig) -> dict:
+    """The fields Llama's and Qwen3's configs share, from a Deriv decoder with their switches."""
+    return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers,
@@ -161,7 +165,6 @@ def llama_config(config: DerivConfig):
         max_position_embeddings=config.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         attention_bias=config.bias,
-        mlp_bias=config.bias,
         attention_dropout=config.attention_dropout,
         rms_norm_eps=config.layer_norm_eps,
         initializer_range=config.initializer_range,
@@ -171,6 +174,47 @@ def llama_config(config: DerivConfig):
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
     )
+
+
+def llama_config(config: DerivConfig):
+    """The `LlamaConfig` of a Deriv decoder that has Llama's switches; says which switches are off otherwise.
+
+    Residual dropout (`dropout`) is a training setting with no Llama twin; it changes nothing at inference, so
+    the export has none rather than being refused. So is `zero_init_output_projections`, an initialisation: a
+    trained folder is plain weights. ReLU^2 (`hidden_act="relu2"`) goes as it is: Llama's MLP reads the activation
+    from transformers' table, where "relu2" is ReLU(x)^2."""
+    from transformers import LlamaConfig
+
+    wrong = _switches_off(config, LLAMA_SWITCHES, "Llama")
+    if getattr(config, "qk_norm", False):
+        wrong.append("qk_norm=True (Llama: False; `deriv export --to qwen3` writes Qwen3ForCausalLM, which has it)")
+    if wrong:
+        paper = any(getattr(config, name, None) != value for name, value in LLAMA_SWITCHES.items())
+        raise UsageError(
+            "This Deriv model has no Llama twin: "
+            + ", ".join(wrong)
+            + (
+                ". The paper's default decoder (post-LN, sinusoid, LayerNorm, ReLU MLP, scaled embedding) is not an "
+                "architecture LlamaForCausalLM can run; see docs/convert.md."
+                if paper
+                else "; see docs/convert.md."
+            )
+        )
+    return LlamaConfig(**_twin_fields(config), mlp_bias=config.bias)
+
+
+def qwen3_config(config: DerivConfig):
+    """The `Qwen3Config` of a Deriv decoder that has Qwen3's switches (Llama's, QK-norm, no bias); says which
+    switches are off otherwise. Every layer is full attention (Qwen3's sliding window off)."""
+    from transformers import Qwen3Config
+
+    wrong = _switches_off(config, QWEN3_SWITCHES, "Qwen3")
+    if wrong:
+        raise UsageError(
+            "This Deriv model has no Qwen3 twin: " + ", ".join(wrong) + ". Qwen3 is Llama's decoder with QK-norm and "
+            "no biases; see docs/convert.md."
+        )
+    return Qwen3Config(**_twin_fields(config), use_sliding_window=False)
 
 
 def _renamed(state: dict[str, torch.Tensor], names: dict[str, str], tied: bool) -> dict[str, torch.Tensor]:

@@ -227,3 +227,119 @@ def test_biases_in_both_attention_and_mlp_are_carried(tmp_path, tiny_tokenizer):
     model = DerivForCausalLM.from_pretrained(import_model(str(folder), tmp_path / "deriv")).eval()
     assert model.config.bias is True
     assert_same_logits(model, source)
+
+
+# ---- the speedrun's switches (issue 48): Qwen3 for QK-norm, Llama for ReLU^2 and an untied head, refusals --------
+
+QWEN3_SHAPED = {**LLAMA_SHAPED, "qk_norm": True}
+
+
+def deriv_folder(folder, tokenizer, seed: int = 3, **switches):
+    """A tiny Deriv folder with `switches`, every weight redrawn (`perturbed`), and `tokenizer` beside it."""
+    model = perturbed(make_model(**switches, vocab_size=len(tokenizer)), seed=seed)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, folder
+
+
+def assert_same_tokens(native, model):
+    x = ids(1, 5)
+    kwargs = dict(max_new_tokens=15, min_new_tokens=15, do_sample=False, pad_token_id=0)
+    expected = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+    assert torch.equal(native.generate(x, attention_mask=torch.ones_like(x), **kwargs), expected)
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [{}, {"tie_word_embeddings": False, "hidden_act": "relu2", "zero_init_output_projections": True}],
+    ids=["tied", "untied, relu2, zero-init"],
+)
+def test_a_qk_normalised_deriv_model_exports_to_qwen3_with_the_same_logits_and_tokens(
+    switches, tmp_path, tiny_tokenizer
+):
+    """Qwen3 is Llama with each head's q and k RMS-normalised before the rotation, under Deriv's own names."""
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    model, folder = deriv_folder(tmp_path / "deriv", tiny_tokenizer, **{**QWEN3_SHAPED, **switches})
+    exported = export_model(folder, "qwen3", tmp_path / "native")
+    assert not [f for f in os.listdir(exported) if f.endswith(".py")]
+    native = AutoModelForCausalLM.from_pretrained(exported).eval()  # the library's own class, no remote code
+    assert type(native) is Qwen3ForCausalLM and native.config.head_dim == 8
+    assert native.config.tie_word_embeddings == model.config.tie_word_embeddings
+    assert native.config.hidden_act == model.config.hidden_act and not native.config.use_sliding_window
+    assert_same_logits(native, model)
+    assert_same_tokens(native, model)
+
+
+def test_llama_takes_relu2_and_an_untied_head_as_they_are(tmp_path, tiny_tokenizer):
+    """transformers' Llama reads its activation from the same table ("relu2" is ReLU(x)^2) and has its own head."""
+    for name, switches in (("relu2", {"hidden_act": "relu2"}), ("untied", {"tie_word_embeddings": False})):
+        model, folder = deriv_folder(tmp_path / name, tiny_tokenizer, **{**LLAMA_SHAPED, **switches})
+        native = LlamaForCausalLM.from_pretrained(export_model(folder, "llama", tmp_path / f"{name}-native")).eval()
+        assert native.config.hidden_act == model.config.hidden_act
+        assert native.config.tie_word_embeddings == model.config.tie_word_embeddings
+        assert_same_logits(native, model)
+
+
+# each switch a target cannot express, the target, and what its one line must say
+EXPORT_REFUSALS = {
+    "qk_norm to llama": (QWEN3_SHAPED, "llama", "qk_norm=True (Llama: False; `deriv export --to qwen3`"),
+    "soft cap to llama": ({**LLAMA_SHAPED, "final_logit_softcapping": 30.0}, "llama", "final_logit_softcapping=30.0"),
+    "soft cap to qwen3": ({**QWEN3_SHAPED, "final_logit_softcapping": 30.0}, "qwen3", "final_logit_softcapping=30.0"),
+    "no qk_norm to qwen3": (LLAMA_SHAPED, "qwen3", "no Qwen3 twin: qk_norm=False (Qwen3: True)"),
+    "biases to qwen3": ({**QWEN3_SHAPED, "bias": True}, "qwen3", "no Qwen3 twin: bias=True (Qwen3: False)"),
+    "qk_norm to gguf": (QWEN3_SHAPED, "gguf", "qk_norm=True"),
+    "soft cap to gguf": ({**LLAMA_SHAPED, "final_logit_softcapping": 30.0}, "gguf", "final_logit_softcapping=30.0"),
+    "relu2 to gguf": ({**LLAMA_SHAPED, "hidden_act": "relu2"}, "gguf", "hidden_act='relu2'; llama.cpp"),
+    "relu2 to ctranslate2 (qwen3-shaped)": (
+        {**QWEN3_SHAPED, "hidden_act": "relu2"},
+        "ctranslate2",
+        "hidden_act='relu2'",
+    ),
+    "soft cap to ctranslate2 (qwen3-shaped)": (
+        {**QWEN3_SHAPED, "final_logit_softcapping": 30.0},
+        "ctranslate2",
+        "final_logit_softcapping=30.0",
+    ),
+}
+GPT2_SHAPED = dict(pre_norm=True, position_embedding_type="learned", scale_embedding=False, hidden_act="gelu_new")
+EXPORT_REFUSALS.update(
+    {
+        f"{name} to {to} (gpt2-shaped)": ({**GPT2_SHAPED, **switch}, to, said)
+        for to in ("gpt2", "onnx", "ctranslate2")
+        for name, switch, said in (
+            ("qk_norm", {"qk_norm": True}, "qk_norm=True (GPT-2: False)"),
+            ("soft cap", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 (GPT-2: None)"),
+            ("untied", {"tie_word_embeddings": False}, "tie_word_embeddings=False (GPT-2: True)"),
+        )
+    }
+)
+EXPORT_REFUSALS["relu2 to ctranslate2 (gpt2-shaped)"] = (
+    {**GPT2_SHAPED, "hidden_act": "relu2"},
+    "ctranslate2",
+    "hidden_act='relu2'; CTranslate2 has no such activation",
+)
+
+
+@pytest.mark.parametrize("case", EXPORT_REFUSALS)
+def test_every_target_refuses_a_switch_it_cannot_express_naming_it(case, tmp_path, tiny_tokenizer, capsys):
+    switches, to, said = EXPORT_REFUSALS[case]
+    _, folder = deriv_folder(tmp_path / "deriv", tiny_tokenizer, **switches)
+    out = tmp_path / ("out.gguf" if to == "gguf" else "out")
+    line = cli_error(["export", str(folder), "--to", to, "--out", str(out)], capsys)
+    assert said in line, line
+    assert not out.exists()
+
+
+def test_ctranslate2_decodes_a_qk_normalised_model_through_its_qwen3_twin(tmp_path, tiny_tokenizer):
+    """CTranslate2 has Qwen3 (QK-norm included): the export goes through the qwen3 twin and decodes Deriv's tokens."""
+    pytest.importorskip("ctranslate2", reason="the runtimes extra is not installed")
+    from test_runtimes import PROMPT, ct2_tokens, deriv_tokens, redrawn
+
+    model = redrawn(make_model(**QWEN3_SHAPED, vocab_size=len(tiny_tokenizer)))
+    model.save_pretrained(tmp_path / "deriv")
+    tiny_tokenizer.save_pretrained(tmp_path / "deriv")
+    converted = export_model(tmp_path / "deriv", "ctranslate2", tmp_path / "ct2")
+    expected = deriv_tokens(model, 1)
+    assert len(set(expected)) > 1 and len(PROMPT) == 5, expected  # a model repeating one token would hide a bug
+    assert ct2_tokens(converted, tiny_tokenizer, False, 1) == expected
