@@ -369,3 +369,24 @@ def test_the_encoder_decoder_refuses_the_decoder_only_switches():
 
     with pytest.raises(UsageError, match="`hidden_act` must be one of relu, gelu, gelu_new, silu; got 'relu2'"):
         TranslationTrainingArguments(hidden_act="relu2")
+
+
+@pytest.mark.slow
+@pytest.mark.upstream
+@pytest.mark.parametrize("version", ["5.16.1"])
+def test_the_switches_run_on_the_oldest_transformers_a_folder_supports(version, tmp_path):
+    """A folder's code runs on transformers 5.16.1 (vLLM's pins; `COMPAT_FALLBACKS`): the switches take nothing newer,
+    "relu2" included (transformers' table has had it since 4.x)."""
+    import os
+
+    from test_transformers_compat import COMPAT_DIR, expected_results, run_on_release
+
+    if not os.path.isdir(os.path.join(COMPAT_DIR, version, "transformers")):
+        pytest.skip(f"transformers {version} is not installed in {COMPAT_DIR}: run `make compat-transformers`")
+    folder = str(tmp_path / "speedrun")
+    modern(seed=3, **SPEEDRUN_SWITCHES).save_pretrained(folder)
+    got = run_on_release(version, {"speedrun": folder}, tmp_path)
+    assert got["version"] == version
+    want = expected_results({"speedrun": folder})["speedrun"]
+    torch.testing.assert_close(torch.tensor(got["speedrun"]["logits"]), want["logits"], rtol=0, atol=1e-5)
+    assert got["speedrun"]["tokens"] == want["tokens"]
