@@ -483,10 +483,13 @@ def reached_text(reached: list[int | None], steps: int) -> str:
 
 
 def sweep_text(row: dict) -> str:
-    """'1e-3: 138.2*, 2e-3: 131.0' for a sweep (* the chosen), '' for none."""
-    if len(row["sweep"]) < 2:
+    """'1e-3: 138.2*, 2e-3: 131.0' for a sweep (* the chosen; 'edge' when the chosen is the grid's first or last,
+    where a wider grid may find better), '' for none."""
+    sweep = row["sweep"]
+    if len(sweep) < 2:
         return ""
-    return ", ".join(f"{lr:.2g}: {ppl:.1f}{'*' if lr == row['learning_rate'] else ''}" for lr, ppl in row["sweep"])
+    text = ", ".join(f"{lr:.2g}: {ppl:.1f}{'*' if lr == row['learning_rate'] else ''}" for lr, ppl in sweep)
+    return text + (" (edge)" if row["learning_rate"] in (sweep[0][0], sweep[-1][0]) else "")
 
 
 def print_table(rows: list[dict], base: dict, held_out: str) -> None:

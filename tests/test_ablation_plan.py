@@ -72,3 +72,11 @@ def test_a_bad_grid_is_refused(text):
 
 def test_a_grid_is_sorted():
     assert ablation.multiplier_list("2,0.5,1") == [0.5, 1.0, 2.0]
+
+
+def test_the_sweep_says_when_the_chosen_rate_is_at_the_grids_edge():
+    row = {"sweep": [[5e-4, 150.0], [1e-3, 140.0], [2e-3, 145.0]], "learning_rate": 1e-3}
+    assert ablation.sweep_text(row) == "0.0005: 150.0, 0.001: 140.0*, 0.002: 145.0"
+    row = {**row, "learning_rate": 2e-3}
+    assert ablation.sweep_text(row).endswith("0.002: 145.0* (edge)")
+    assert ablation.sweep_text({"sweep": [[1e-3, 140.0]], "learning_rate": 1e-3}) == ""
