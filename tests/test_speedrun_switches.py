@@ -194,8 +194,11 @@ def test_through_the_model_the_chunked_loss_gives_the_plain_capped_loss_and_grad
 # ---- a Hugging Face model: caches, generate(), the decode loop, pipelines, folders --------------------------------
 
 
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("variant", DECODING_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize(
+    "variant, cache_kind",
+    [*((variant, "dynamic") for variant in DECODING_VARIANTS), (SPEEDRUN_SWITCHES, "static")],
+    ids=[*(variant_id(v) for v in DECODING_VARIANTS), "all-static"],
+)
 def test_one_token_at_a_time_through_a_cache_gives_the_logits_of_the_whole_sequence(variant, cache_kind):
     """Teacher-forced, so that a model which repeats one token (a tiny random one does) cannot hide a cache bug."""
     model = modern(seed=1, **variant)
