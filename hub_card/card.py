@@ -143,6 +143,8 @@ def _architecture(folder: ModelFolder) -> list[tuple[str, str]]:
     ]
     if not c.get("bias", True):
         rows.append(("biases", "none (attention, feed-forward and norms have weights only)"))
+    if c.get("qk_norm"):
+        rows.append(("QK-norm", "each head's queries and keys RMS-normalised, with a learned gain, before attention"))
     if not folder.is_seq2seq:
         rows.append(("KV cache per token", kv_cache_text(c)))
     tied = (
@@ -150,7 +152,9 @@ def _architecture(folder: ModelFolder) -> list[tuple[str, str]]:
         if c.get("tie_word_embeddings", True)
         else "its own output projection"
     )
-    rows.append(("vocabulary", f"{c['vocab_size']:,} tokens, {tied}"))
+    cap = c.get("final_logit_softcapping")
+    capped = f"; logits soft-capped to ({-cap:g}, {cap:g}) by {cap:g} tanh(z / {cap:g})" if cap else ""
+    rows.append(("vocabulary", f"{c['vocab_size']:,} tokens, {tied}{capped}"))
     return rows
 
 

@@ -337,3 +337,14 @@ def test_check_fails_clearly_without_the_code_files(lm_folder, tmp_path, capsys)
     assert not steps["model"]["ok"] and not steps["pipeline"]["ok"]
     assert main(["check", str(folder)]) == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_the_speedruns_qk_norm_and_soft_cap_are_in_the_table(lm_folder, tmp_path):
+    """A folder with QK-norm and a logit soft cap says so (they change what the model computes); one without
+    has neither row nor clause."""
+    llama_shaped_folder(tmp_path / "speedrun", lm_folder, qk_norm=True, final_logit_softcapping=15.0)
+    rows = table_rows(build_card(tmp_path / "speedrun").text)
+    assert rows["QK-norm"].startswith("each head's queries and keys RMS-normalised")
+    assert rows["vocabulary"].endswith("logits soft-capped to (-15, 15) by 15 tanh(z / 15)")
+    plain = table_rows(build_card(lm_folder).text)
+    assert "QK-norm" not in plain and "soft-capped" not in plain["vocabulary"]
