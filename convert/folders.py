@@ -256,8 +256,8 @@ def native_llama(folder: str | os.PathLike, family: str = "llama"):
     model = load_weights(DerivForCausalLM, folder)
     config = config_of(model.config)  # says which switches differ, where there is no twin
     native = native_class(config)
-    tied = config.tie_word_embeddings
-    _load_exact(native, llama.to_llama(vocabulary_rows(model), tied), {"lm_head.weight"} if tied else set())
+    tied, scale = config.tie_word_embeddings, llama.embed_scale(model.config)  # a scaled folder: an untied twin
+    _load_exact(native, llama.to_llama(vocabulary_rows(model), tied, scale), {"lm_head.weight"} if tied else set())
     return native.eval()
 
 

@@ -4,20 +4,25 @@
 package's `GGUFWriter`, the writer llama.cpp's own converter uses (that converter is a script inside llama.cpp's
 repository, not in the package, and it refuses a tokenizer whose pre-tokenizer it cannot name by hash, which every
 Deriv tokenizer is). Architecture "llama": the folder must have Llama's switches, which `llama.llama_config`
-checks and names when one is off; bias=False too (llama.cpp's Llama has no projection biases).
+checks and names when one is off. The file is the Llama twin's (`llama.to_llama`), so a scaled embedding goes in as
+the twin has it: `token_embd` = sqrt(d) E and an `output` of its own (E, or the folder's untied head).
 
 What goes in:
 - the hyperparameters llama.cpp reads for "llama" (context, width, blocks, FFN width, heads, kv heads, the rotary
   dimension and base, the RMSNorm epsilon);
-- the weights under GGUF's names (`token_embd`, `blk.N.attn_q`, ..., `output_norm`, `output` when untied), in
-  the HF (out, in) layout the writer expects. q and k rows are permuted: Deriv and transformers rotate in the
-  "half" layout (dimension j pairs with j + head_dim/2), llama.cpp in the interleaved one (2i with 2i+1), the
-  same permutation llama.cpp's converter applies;
+- the weights under GGUF's names (`token_embd`, `blk.N.attn_q`, ..., `output_norm`, `output` when the twin is
+  untied), in the HF (out, in) layout the writer expects. q and k rows are permuted: Deriv and transformers rotate
+  in the "half" layout (dimension j pairs with j + head_dim/2), llama.cpp in the interleaved one (2i with 2i+1),
+  the same permutation llama.cpp's converter applies;
+- with bias=True, each projection's bias under the same name (`blk.N.attn_q.bias`, ..., `blk.N.ffn_down.bias`):
+  llama.cpp's "llama" loads all seven when present and adds each after its matmul (q and k before the rotation,
+  so their biases take the q and k rows' permutation);
 - the tokenizer as GGUF's "gpt2" byte-level BPE: tokens in id order, their types (control for specials), the
   merges, bos/eos, and no bos added (Deriv's tokenizer adds none).
 
 f16 stores the matrices in half precision; q8_0 in llama.cpp's 8-bit blocks of 32 (gguf.quants), so every matrix
-row must be a multiple of 32 wide; norms stay float32 in all three. Written beside FILE and renamed into place.
+row must be a multiple of 32 wide; norms and biases stay float32 in all three. Written beside FILE and renamed into
+place.
 
 Needs the `runtimes` extra (`pip install deriv-lm[runtimes]`: gguf). Running the file needs llama.cpp, e.g.
 llama-cpp-python.
@@ -39,7 +44,7 @@ from .folders import model_type, vocabulary_rows
 
 OUTTYPES = ("f32", "f16", "q8_0")
 
-# Llama's name in block i -> GGUF's (every tensor is `.weight`: a Llama-shaped Deriv folder has no biases)
+# Llama's name in block i -> GGUF's (the norms hold `.weight`, the projections `.weight` and, with bias=True, `.bias`)
 _BLOCK_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -54,20 +59,22 @@ _BLOCK_NAMES = {
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 
-def gguf_names(num_layers: int, tied: bool) -> dict[str, str]:
+def gguf_names(num_layers: int, tied: bool, bias: bool = False) -> dict[str, str]:
     """Every `LlamaForCausalLM` tensor name -> its GGUF name."""
     names = dict(_TOP_NAMES)
     if not tied:
         names["lm_head.weight"] = "output.weight"
     for i in range(num_layers):
         for hf, gg in _BLOCK_NAMES.items():
-            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+            kinds = ("weight", "bias") if bias and not hf.endswith("layernorm") else ("weight",)
+            names.update({f"model.layers.{i}.{hf}.{kind}": f"blk.{i}.{gg}.{kind}" for kind in kinds})
     return names
 
 
 def interleaved(weight: np.ndarray, heads: int) -> np.ndarray:
-    """q or k rows from the "half" rotary layout to llama.cpp's interleaved one: within each head, row j of the
-    first half and row j of the second become rows 2j and 2j+1 (llama.cpp's `LlamaModel.permute`)."""
+    """q or k rows (a weight's, or a bias's entries) from the "half" rotary layout to llama.cpp's interleaved one:
+    within each head, row j of the first half and row j of the second become rows 2j and 2j+1 (llama.cpp's
+    `LlamaModel.permute`)."""
     rows = weight.shape[0]
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
@@ -80,10 +87,6 @@ def llama_shaped(folder: str | os.PathLike):
     _tokenizer(folder)  # refused before the weights are read
     model = load_weights(DerivForCausalLM, folder).eval()
     config = llama.llama_config(model.config)  # names the switches that are off
-    if model.config.bias:
-        raise UsageError(
-            f"{folder} has bias=True; llama.cpp's Llama has no projection biases (train with bias=False)."
-        )
     llama.refuse_other_activations(folder, model.config.hidden_act, "llama.cpp")
     return model, config
 
@@ -187,8 +190,8 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str 
     if os.path.exists(out):
         raise UsageError(f"--out {out} already exists; choose a new file name.")
     model, config = llama_shaped(folder)
-    tied = config.tie_word_embeddings
-    state = {k: v.float().numpy() for k, v in llama.to_llama(vocabulary_rows(model), tied).items()}
+    tied, scale = config.tie_word_embeddings, llama.embed_scale(model.config)  # scaled: folded, the twin untied
+    state = {k: v.float().numpy() for k, v in llama.to_llama(vocabulary_rows(model), tied, scale).items()}
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     partial = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial-{os.getpid()}")
     try:
@@ -196,7 +199,7 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str 
         writer.add_name(os.path.basename(os.path.abspath(folder)))
         _add_hyperparameters(writer, config, outtype)
         _add_tokenizer(writer, folder, model)
-        for hf, gg in gguf_names(config.num_hidden_layers, tied).items():
+        for hf, gg in gguf_names(config.num_hidden_layers, tied, model.config.bias).items():
             array = state.pop(hf)
             projection = hf.rsplit(".", 2)[-2]
             if projection in heads:

@@ -7,9 +7,20 @@ Llama (Touvron et al. 2023) is Deriv's decoder with these switches thrown:
     norm_type="rms_norm"                 RMSNorm (a gain, no bias) instead of LayerNorm; eps is `rms_norm_eps`
     gated_mlp=True, hidden_act="silu"    SwiGLU: down(silu(gate(x)) * up(x))
     num_key_value_heads                  grouped-query attention: kv heads shared by groups of query heads
-    scale_embedding=False                x_0 = E[x], no sqrt(d)
-    bias=False                           no bias in any projection (Llama's attention_bias = mlp_bias)
+    bias=False                           no bias in any projection (Llama's attention_bias = mlp_bias; True: both)
     dropout=0.0                          Llama has no dropout on the residual stream
+
+`scale_embedding` is no requirement. Unscaled (x_0 = E[x], Llama's own) the twin is the folder as it is. Scaled
+(x_0 = sqrt(d) E[x], the paper's, which wins at the llama-tiny preset's size: training/presets/lm-llama-tiny.yaml),
+the scale folds into the twin's input table, and the twin (Llama's or Qwen3's) is untied whatever the folder is:
+
+    Llama's embed_tokens = sqrt(d) E          so embed_tokens[x] = sqrt(d) E[x] = Deriv's x_0
+    Llama's lm_head      = E (a tied folder: z = h E^T) or the folder's own lm_head (an untied one)
+
+(`tie_word_embeddings=False` in the twin's config: the tied head would be the scaled table, logits sqrt(d) times
+too large). The fold is the multiplication Deriv's forward does on each gathered row, done once on the whole
+table, so the twin's inputs are the same numbers. `deriv import` of such a twin reads an untied, unscaled Llama:
+an untied, unscaled Deriv decoder with the same logits, not the scaled folder it came from (docs/convert.md).
 
 Qwen3 (Yang et al. 2025) is Llama with one more switch, `qk_norm=True`: each head's queries and keys RMS-normalised
 with a gain of head_dim before the rotation, under the same names as Deriv's (`self_attn.q_norm`, `self_attn.k_norm`);
@@ -24,6 +35,8 @@ import and export cannot disagree.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -47,7 +60,6 @@ LLAMA_SWITCHES = {
     "position_embedding_type": "rotary",
     "norm_type": "rms_norm",
     "gated_mlp": True,
-    "scale_embedding": False,
 }
 # Qwen3's: Llama's, QK-norm, and no bias (Qwen3's MLP has none; its attention's would be `attention_bias`)
 QWEN3_SWITCHES = {**LLAMA_SWITCHES, "qk_norm": True, "bias": False}
@@ -114,6 +126,7 @@ def deriv_config(llama) -> DerivConfig:
         hidden_act=llama.hidden_act,
         max_position_embeddings=llama.max_position_embeddings,
         **LLAMA_SWITCHES,
+        scale_embedding=False,  # Llama's x_0 = E[x]: a scaled folder's export carries sqrt(d) in this table
         rope_theta=float(_rope(llama)["rope_theta"]),
         bias=bool(llama.attention_bias),
         dropout=0.0,
@@ -169,11 +182,23 @@ def _twin_fields(config: DerivConfig) -> dict:
         rms_norm_eps=config.layer_norm_eps,
         initializer_range=config.initializer_range,
         use_cache=config.use_cache,
-        tie_word_embeddings=config.tie_word_embeddings,
+        tie_word_embeddings=twin_tied(config),
         pad_token_id=config.pad_token_id,
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
     )
+
+
+def twin_tied(config: DerivConfig) -> bool:
+    """Whether the Llama (or Qwen3) twin ties its head to its input table: when the folder does and has no sqrt(d)
+    to fold into that table (a scaled folder's twin is untied: the module docstring)."""
+    return bool(config.tie_word_embeddings) and not config.scale_embedding
+
+
+def embed_scale(config: DerivConfig) -> float:
+    """The factor Deriv's embedding multiplies each row by (`DerivScaledWordEmbedding.embed_scale`), which the
+    twin's input table carries instead: sqrt(d), or 1 when unscaled."""
+    return math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
 
 
 def llama_config(config: DerivConfig):
@@ -182,7 +207,8 @@ def llama_config(config: DerivConfig):
     Residual dropout (`dropout`) is a training setting with no Llama twin; it changes nothing at inference, so
     the export has none rather than being refused. So is `zero_init_output_projections`, an initialisation: a
     trained folder is plain weights. ReLU^2 (`hidden_act="relu2"`) goes as it is: Llama's MLP reads the activation
-    from transformers' table, where "relu2" is ReLU(x)^2."""
+    from transformers' table, where "relu2" is ReLU(x)^2. A scaled embedding goes into the input table, the twin
+    untied (`twin_tied`, `to_llama`)."""
     from transformers import LlamaConfig
 
     wrong = _switches_off(config, LLAMA_SWITCHES, "Llama")
@@ -194,7 +220,7 @@ def llama_config(config: DerivConfig):
             "This Deriv model has no Llama twin: "
             + ", ".join(wrong)
             + (
-                ". The paper's default decoder (post-LN, sinusoid, LayerNorm, ReLU MLP, scaled embedding) is not an "
+                ". The paper's default decoder (post-LN, sinusoid, LayerNorm, ReLU MLP) is not an "
                 "architecture LlamaForCausalLM can run; see docs/convert.md."
                 if paper
                 else "; see docs/convert.md."
@@ -238,6 +264,15 @@ def to_deriv(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tens
     return _renamed(state, {llama: deriv for deriv, llama in LLAMA_NAMES.items()}, tied)
 
 
-def to_llama(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """A `DerivForCausalLM` state dict as `LlamaForCausalLM`'s: `to_deriv` read backwards."""
-    return _renamed(state, LLAMA_NAMES, tied)
+def to_llama(state: dict[str, torch.Tensor], tied: bool, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """A `DerivForCausalLM` state dict as `LlamaForCausalLM`'s: `to_deriv` read backwards, with Deriv's embedding
+    `scale` (`embed_scale`) folded into the input table, embed_tokens = scale E, for an untied twin whose lm_head
+    keeps E (a tied Deriv state dict holds E under both names)."""
+    if tied and scale != 1.0:
+        raise ValueError("A scaled embedding folds into an untied twin only: its lm_head keeps the unscaled table.")
+    out = _renamed(state, LLAMA_NAMES, tied)
+    if scale != 1.0:
+        # subtle: the same float32 product Deriv's forward takes of each gathered row, E[x] * embed_scale, so the
+        # twin's x_0 is the same numbers; out of place, so the lm_head tensor (the same storage, tied) keeps E
+        out["model.embed_tokens.weight"] = out["model.embed_tokens.weight"] * scale
+    return out

@@ -4,6 +4,7 @@ the same generated tokens, and a Llama-shaped Deriv folder exports to a plain `L
 Llamas built here with random, non-trivial weights (no network)."""
 
 import json
+import math
 import os
 
 import pytest
@@ -168,10 +169,12 @@ def test_a_llama_shaped_deriv_model_exports_to_a_llama_with_the_same_logits_and_
 
 
 def test_the_papers_decoder_has_no_llama_twin_and_says_which_switches_differ(tmp_path):
+    """Four switches differ; the scaled embedding is not among them (a scaled folder has an untied twin, below)."""
     make_model().save_pretrained(tmp_path / "paper")
     pattern = "pre_norm=False.*position_embedding_type='sinusoidal'.*norm_type='layer_norm'.*gated_mlp=False"
-    with pytest.raises(ValueError, match=pattern + ".*scale_embedding=True"):
+    with pytest.raises(ValueError, match=pattern) as refusal:
         export_model(tmp_path / "paper", "llama", tmp_path / "native")
+    assert "scale_embedding" not in str(refusal.value)
     assert not (tmp_path / "native").exists()
     make_model(**{**LLAMA_SHAPED, "norm_type": "layer_norm"}).save_pretrained(tmp_path / "layer-norm")
     only = "no Llama twin: norm_type='layer_norm' \\(Llama: 'rms_norm'\\)\\."
@@ -251,8 +254,12 @@ def assert_same_tokens(native, model):
 
 @pytest.mark.parametrize(
     "switches",
-    [{}, {"tie_word_embeddings": False, "hidden_act": "relu2", "zero_init_output_projections": True}],
-    ids=["tied", "untied, relu2, zero-init"],
+    [
+        {},
+        {"tie_word_embeddings": False, "hidden_act": "relu2", "zero_init_output_projections": True},
+        {"scale_embedding": True},
+    ],
+    ids=["tied", "untied, relu2, zero-init", "scaled embedding (an untied twin)"],
 )
 def test_a_qk_normalised_deriv_model_exports_to_qwen3_with_the_same_logits_and_tokens(
     switches, tmp_path, tiny_tokenizer
@@ -265,7 +272,8 @@ def test_a_qk_normalised_deriv_model_exports_to_qwen3_with_the_same_logits_and_t
     assert not [f for f in os.listdir(exported) if f.endswith(".py")]
     native = AutoModelForCausalLM.from_pretrained(exported).eval()  # the library's own class, no remote code
     assert type(native) is Qwen3ForCausalLM and native.config.head_dim == 8
-    assert native.config.tie_word_embeddings == model.config.tie_word_embeddings
+    tied = model.config.tie_word_embeddings and not model.config.scale_embedding  # sqrt(d) E is no head
+    assert native.config.tie_word_embeddings == tied
     assert native.config.hidden_act == model.config.hidden_act and not native.config.use_sliding_window
     assert_same_logits(native, model)
     assert_same_tokens(native, model)
@@ -342,4 +350,90 @@ def test_ctranslate2_decodes_a_qk_normalised_model_through_its_qwen3_twin(tmp_pa
     converted = export_model(tmp_path / "deriv", "ctranslate2", tmp_path / "ct2")
     expected = deriv_tokens(model, 1)
     assert len(set(expected)) > 1 and len(PROMPT) == 5, expected  # a model repeating one token would hide a bug
+    assert ct2_tokens(converted, tiny_tokenizer, False, 1) == expected
+
+
+# ---- a scaled embedding: an untied twin (issue 48, item 3: the llama-tiny preset scales and has biases) ----------
+
+# a preset's model settings that are no size: the switches, on conftest's tiny shape
+SHAPE = {"hidden_size", "intermediate_size", "max_position_embeddings", "num_attention_heads", "num_hidden_layers"}
+
+
+def preset_switches(name: str = "llama-tiny") -> dict:
+    from deriv_lm.training import PRESETS, TrainingArguments
+
+    overrides = TrainingArguments(**PRESETS[name]).model_overrides()
+    return {k: v for k, v in overrides.items() if k not in SHAPE | {"dropout", "pad_vocab_size_to_multiple_of"}}
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, {"tie_word_embeddings": False}], ids=["the llama-tiny preset's switches (tied)", "untied"]
+)
+def test_a_scaled_embedding_exports_to_an_untied_llama_with_the_same_logits_and_tokens(
+    extra, tmp_path, tiny_tokenizer
+):
+    """sqrt(d) folds into the twin's input table and the head keeps E (or the folder's own head): the twin's x_0 is
+    Deriv's bit for bit, and its logits and greedy tokens are Deriv's. The preset's biases go as attention_bias and
+    mlp_bias."""
+    switches = {**preset_switches(), **extra}
+    assert switches["scale_embedding"] and switches["bias"]  # what the preset trains, which the export must take
+    model, folder = deriv_folder(tmp_path / "deriv", tiny_tokenizer, **switches)
+    native = LlamaForCausalLM.from_pretrained(export_model(folder, "llama", tmp_path / "native")).eval()
+    assert not native.config.tie_word_embeddings and native.config.attention_bias and native.config.mlp_bias
+    table = model.get_input_embeddings().weight
+    assert torch.equal(native.get_input_embeddings().weight, table * math.sqrt(model.config.hidden_size))
+    assert torch.equal(native.get_output_embeddings().weight, model.get_output_embeddings().weight)
+    with torch.no_grad():
+        assert torch.equal(native.get_input_embeddings()(ids()), model.get_input_embeddings()(ids()))
+    assert_same_logits(native, model)
+    assert_same_tokens(native, model)
+
+
+def test_a_scaled_folders_twin_imports_as_an_untied_unscaled_deriv_model_with_the_same_logits(
+    tmp_path, tiny_tokenizer
+):
+    """The way back reads a plain untied Llama: an untied, unscaled Deriv decoder, the same function."""
+    model, folder = deriv_folder(tmp_path / "deriv", tiny_tokenizer, **preset_switches())
+    exported = export_model(folder, "llama", tmp_path / "native")
+    back = DerivForCausalLM.from_pretrained(import_model(str(exported), tmp_path / "back")).eval()
+    assert (back.config.scale_embedding, back.config.tie_word_embeddings, back.config.bias) == (False, False, True)
+    assert_same_logits(back, model)
+
+
+def test_gguf_writes_a_scaled_biased_folder_as_its_untied_llama_twin(tmp_path, tiny_tokenizer):
+    """token_embd = sqrt(d) E, output = E, and all seven projections' biases, q's and k's in llama.cpp's
+    interleaved rotary order as their rows are."""
+    pytest.importorskip("gguf", reason="the runtimes extra is not installed")
+    import numpy as np
+    from gguf import GGUFReader
+
+    model, folder = deriv_folder(tmp_path / "deriv", tiny_tokenizer, **preset_switches())
+    tensors = {t.name: t.data for t in GGUFReader(export_model(folder, "gguf", tmp_path / "m.gguf")).tensors}
+    state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    table = state["model.embed_tokens.weight"]
+    assert np.array_equal(tensors["token_embd.weight"].reshape(table.shape), table * np.float32(math.sqrt(32)))
+    assert np.array_equal(tensors["output.weight"].reshape(table.shape), table)
+    assert len([name for name in tensors if name.endswith(".bias")]) == 7 * 2  # q, k, v, o, gate, up, down; 2 blocks
+    d_k = 8
+    for gg, hf, heads in (("attn_q", "self_attn.q_proj", 4), ("attn_k", "self_attn.k_proj", 2)):
+        bias, written = state[f"model.layers.0.{hf}.bias"], tensors[f"blk.0.{gg}.bias"]
+        for head in range(heads):
+            first, second = bias[head * d_k : head * d_k + d_k // 2], bias[head * d_k + d_k // 2 : (head + 1) * d_k]
+            assert np.array_equal(written[head * d_k : (head + 1) * d_k : 2], first), (gg, head)
+            assert np.array_equal(written[head * d_k + 1 : (head + 1) * d_k : 2], second), (gg, head)
+    for gg, hf in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_down", "mlp.fc2")):
+        assert np.array_equal(tensors[f"blk.1.{gg}.bias"], state[f"model.layers.1.{hf}.bias"]), gg
+
+
+def test_ctranslate2_decodes_the_llama_tiny_presets_switches_through_the_untied_twin(tmp_path, tiny_tokenizer):
+    """CTranslate2's Llama loader reads the twin's own lm_head and biases: Deriv's greedy tokens."""
+    pytest.importorskip("ctranslate2", reason="the runtimes extra is not installed")
+    from test_runtimes import ct2_tokens, deriv_tokens, redrawn
+
+    model = redrawn(make_model(**preset_switches(), vocab_size=len(tiny_tokenizer)))
+    model.save_pretrained(tmp_path / "deriv")
+    tiny_tokenizer.save_pretrained(tmp_path / "deriv")
+    converted = export_model(tmp_path / "deriv", "ctranslate2", tmp_path / "ct2")
+    expected = deriv_tokens(model, 1)
+    assert len(set(expected)) > 1, expected  # a model repeating one token would hide a bug
     assert ct2_tokens(converted, tiny_tokenizer, False, 1) == expected

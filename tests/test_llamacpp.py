@@ -1,5 +1,6 @@
 """`deriv export --to gguf` run in llama.cpp (through llama-cpp-python): a tiny Llama-shaped Deriv folder with
-grouped-query attention decodes greedily to Deriv's own tokens from the f32 file, and llama.cpp tokenizes a text
+grouped-query attention (unscaled and bias-free as Llama; and scaled with biases as the llama-tiny preset) decodes
+greedily to Deriv's own tokens from the f32 file, and llama.cpp tokenizes a text
 as the folder's tokenizer does. f16 and q8_0 agreement is measured and printed (`-s`), not asserted.
 
 llama-cpp-python compiles llama.cpp from source (about 13 minutes on 2 cores), so it is no extra: this file runs
@@ -21,7 +22,8 @@ from deriv_lm.convert.llama import LLAMA_SWITCHES  # noqa: E402
 
 
 LLAMA = dict(
-    **LLAMA_SWITCHES,  # pre-norm, rotary, RMSNorm, gated, unscaled embedding
+    **LLAMA_SWITCHES,  # pre-norm, rotary, RMSNorm, gated
+    scale_embedding=False,  # Llama's own: a tied twin (a scaled folder's, untied: tests/test_convert_llama.py)
     hidden_act="silu",
     bias=False,
     num_key_value_heads=2,
@@ -30,14 +32,17 @@ LLAMA = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# the llama-tiny preset's: the paper's sqrt(d) embedding and biases, so the file has token_embd = sqrt(d) E, an
+# output of its own and each projection's bias (docs/convert.md)
+SCALED_BIASED = dict(scale_embedding=True, bias=True)
 PROMPT = [1, 50, 60, 70, 80]
 NEW = 16
 
 
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory, tiny_tokenizer):
+@pytest.fixture(scope="module", params=[{}, SCALED_BIASED], ids=["llama", "scaled embedding and biases"])
+def llama_folder(request, tmp_path_factory, tiny_tokenizer):
     """Every parameter redrawn (norm gains around 1), so the greedy tokens vary from step to step."""
-    model = DerivForCausalLM(DerivConfig(**{**TINY, **LLAMA})).eval()
+    model = DerivForCausalLM(DerivConfig(**{**TINY, **LLAMA, **request.param})).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -22,7 +22,8 @@ from deriv_lm.convert.llama import LLAMA_SWITCHES  # noqa: E402
 
 SPECIALS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LLAMA = dict(
-    **LLAMA_SWITCHES,  # pre-norm, rotary, RMSNorm, gated, unscaled embedding
+    **LLAMA_SWITCHES,  # pre-norm, rotary, RMSNorm, gated
+    scale_embedding=False,  # Llama's own: a tied twin (a scaled folder's, untied: tests/test_convert_llama.py)
     hidden_act="silu",
     bias=False,
     num_key_value_heads=2,
