@@ -4,8 +4,8 @@
 
 Each preset's shape (training/args.py PRESETS -> DerivConfig) is built twice from the same seed: Deriv, and its
 transformers peer at the same shape: GPT2LMHeadModel (d, layers, heads, d_ff, context, vocabulary), or for a
-Llama-shaped preset (rotary, RMSNorm, SwiGLU, no biases) LlamaForCausalLM with the LlamaConfig `deriv export --to
-llama` writes (the preset's key/value heads, feed-forward width and rope base, no biases, tied embeddings).
+Llama-shaped preset (rotary, RMSNorm, SwiGLU) LlamaForCausalLM with the LlamaConfig `deriv export --to llama`
+writes (the preset's key/value heads, feed-forward width, rope base and biases), its embeddings tied as Deriv's.
 Random weights, no dropout in either, sdpa attention, random token batches of --batch x the preset's context (or
 --context), AdamW (fused on cuda), each step under --dtype autocast (bfloat16 on cuda, none on the CPU). Deriv
 trains as the preset says, its GPU levers included (a vocabulary padded to a multiple of 64 rows, the loss in
@@ -56,9 +56,14 @@ def peer_of(config) -> tuple[str, torch.nn.Module]:
     from ..convert.llama import llama_config
 
     try:
-        return "Llama", LlamaForCausalLM(llama_config(config))
+        llama = llama_config(config)
     except UsageError:  # not Llama-shaped: GPT-2's block at the same size
         pass
+    else:
+        # subtle: a scaled embedding's export twin is untied (sqrt(d) folded into its input table); the training
+        # peer keeps Deriv's tie, the same matrices, the scale being one multiply of the gathered rows
+        llama.tie_word_embeddings = config.tie_word_embeddings
+        return "Llama", LlamaForCausalLM(llama)
     gpt2 = GPT2Config(
         vocab_size=config.vocab_size,
         n_embd=config.hidden_size,

@@ -368,7 +368,8 @@ def test_lm_init_from_takes_the_base_models_context_unless_given(tmp_path):
 
 def test_the_llama_tiny_preset_trains_a_llama_shaped_model(tmp_path, corpus_file):
     """`deriv train lm --preset llama-tiny` runs (3 steps, its whole shape) and the folder is what the preset
-    says: rotary, RMSNorm, SwiGLU, 2 key/value heads for 4 heads, no biases, no learned or scaled positions."""
+    says: rotary, RMSNorm, SwiGLU, 2 key/value heads for 4 heads, no learned positions; the paper's scaled
+    embedding and biases (training/presets/lm-llama-tiny.yaml says why)."""
     from deriv_lm import DerivForCausalLM
 
     out = tmp_path / "llama"
@@ -377,11 +378,12 @@ def test_the_llama_tiny_preset_trains_a_llama_shaped_model(tmp_path, corpus_file
     assert main([*line, "--eval-batches", "1", "--samples", "0", "--num-proc", "1", "--no-progress", "--cpu"]) == 0
     config = json.loads((out / "config.json").read_text())
     switches = ("position_embedding_type", "norm_type", "gated_mlp", "hidden_act", "num_key_value_heads", "bias")
-    assert [config[name] for name in switches] == ["rotary", "rms_norm", True, "silu", 2, False]
-    assert (config["pre_norm"], config["scale_embedding"], config["intermediate_size"]) == (True, False, 672)
+    assert [config[name] for name in switches] == ["rotary", "rms_norm", True, "silu", 2, True]
+    assert (config["pre_norm"], config["scale_embedding"], config["intermediate_size"]) == (True, True, 672)
     recorded = json.loads((out / "run.json").read_text())["arguments"]["model"]
     assert recorded["num_key_value_heads"] == 2 and recorded["position_embedding_type"] == "rotary"
     weights = load_file(out / "model.safetensors")
     assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 64, 256)  # 2 kv heads of 64 dims
-    assert "model.layers.0.mlp.gate.weight" in weights and not any(name.endswith(".bias") for name in weights)
+    assert "model.layers.0.mlp.gate.weight" in weights and "model.layers.0.mlp.gate.bias" in weights
+    assert "model.layers.0.self_attn.q_proj.bias" in weights and "model.norm.bias" not in weights  # RMSNorm: a gain
     assert DerivForCausalLM.from_pretrained(out).config.num_key_value_heads == 2

