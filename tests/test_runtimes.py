@@ -242,7 +242,20 @@ def test_bench_runtimes_times_the_decode_loop_beside_generate_and_the_runtimes(t
     from deriv_lm.cli import main
 
     out = tmp_path / "runtimes.json"
-    argv = ["bench", "runtimes", "--layers", "1", "--hidden", "32", "--heads", "2", "--context", "64", "--vocab", "300"]
+    argv = [
+        "bench",
+        "runtimes",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--context",
+        "64",
+        "--vocab",
+        "300",
+    ]
     argv += ["--prompt", "4", "--new-tokens", "24", "--repeats", "1", "--threads", "1", "--json", str(out)]
     assert main(argv) == 0
     rows = {(r["runtime"], r["weights"]): r for r in json.loads(out.read_text())["rows"]}
