@@ -19,6 +19,8 @@ from deriv_lm.training.optim import (
     MuonWithAdamW,
     check_optimizer,
     hidden_matrices,
+    muon_step_on_the_cpu,
+    newton_schulz_float32,
     optimizer_and_schedule,
     warmup_stable_decay,
 )
@@ -463,3 +465,78 @@ def test_two_ddp_processes_with_muon_follow_one_process(tmp_path, corpus_file):
     assert len(first) == len(second) == 8
     for a, b in zip(first, second, strict=True):
         assert abs(a - b) < 1e-3, (first, second)
+
+
+def exact_polar(matrix: torch.Tensor) -> torch.Tensor:
+    """U Vᵀ of matrix = U Σ Vᵀ, in float64: what the Newton-Schulz iteration approaches."""
+    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    return u @ vh
+
+
+@needs_muon
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96)])
+def test_the_float32_iteration_is_torchs_iteration_without_bfloat16s_rounding(shape):
+    """The same iteration as torch's (the coefficients, the transposition of a tall matrix, five steps): within
+    bfloat16's rounding of torch's result, and nearer the float64 run of the same iteration than torch's is."""
+    import torch.optim._muon as torch_muon
+
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    coefficients, steps, eps = (3.4445, -4.775, 2.0315), 5, 1e-7
+    ours = newton_schulz_float32(grad, coefficients, steps, eps)
+    theirs = torch_muon._zeropower_via_newtonschulz(grad, coefficients, steps, eps).float()
+    exact = newton_schulz_float32(grad.double(), coefficients, steps, eps)  # the same steps in float64
+    assert ours.dtype == torch.float32 and ours.shape == grad.shape
+    assert (ours - theirs).abs().max() < 0.05  # bfloat16 keeps 8 bits
+    assert (ours.double() - exact).abs().max() < 1e-4 < (theirs.double() - exact).abs().max()
+    singular = torch.linalg.svdvals(ours)
+    assert 0.5 < singular.min() and singular.max() < 1.5  # near U Vᵀ's ones, as torch's docstring says
+    assert torch.nn.functional.cosine_similarity(ours.flatten().double(), exact_polar(grad).flatten(), 0) > 0.9
+
+
+@needs_muon
+def test_a_cpu_muon_step_runs_the_float32_iteration_and_puts_torchs_back():
+    """Inside `muon_step_on_the_cpu` torch's Muon steps with the float32 iteration (its update is the float32
+    one's, not bfloat16's), and after it, and after a step that raised, torch's own function is in place."""
+    import torch.optim._muon as torch_muon
+
+    original = torch_muon._zeropower_via_newtonschulz
+    weight = torch.nn.Parameter(torch.zeros(64, 16))
+    weight.grad = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    muon = torch.optim.Muon([weight], lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False)
+    with muon_step_on_the_cpu(muon):
+        muon.step()
+    # torch's default adjustment: lr sqrt(max(1, A / B)) = 0.1 x 2 for 64 x 16; no momentum: the update is NS(G)
+    expected = -0.2 * newton_schulz_float32(weight.grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=1e-6)
+    assert torch_muon._zeropower_via_newtonschulz is original
+    with pytest.raises(RuntimeError, match="boom"), muon_step_on_the_cpu(muon):
+        assert torch_muon._zeropower_via_newtonschulz is newton_schulz_float32
+        raise RuntimeError("boom")
+    assert torch_muon._zeropower_via_newtonschulz is original
+
+
+@needs_muon
+def test_a_muon_whose_parameters_are_not_on_the_cpu_keeps_torchs_iteration():
+    import torch.optim._muon as torch_muon
+
+    weight = torch.nn.Parameter(torch.zeros(8, 4, device="meta"))
+    muon = torch.optim.Muon([weight], lr=0.1)
+    with muon_step_on_the_cpu(muon):
+        assert torch_muon._zeropower_via_newtonschulz is not newton_schulz_float32
+
+
+@needs_muon
+def test_the_trainers_muon_orthogonalises_every_block_matrix_in_float32_on_the_cpu(monkeypatch):
+    """`MuonWithAdamW.step` (what the trainer steps) runs Muon inside `muon_step_on_the_cpu`: one float32 iteration
+    per block matrix, none of bfloat16's."""
+    import deriv_lm.training.optim as optim
+
+    calls = []
+    real = optim.newton_schulz_float32
+    monkeypatch.setattr(optim, "newton_schulz_float32", lambda grad, *a: calls.append(grad.shape) or real(grad, *a))
+    model = make_model(num_hidden_layers=1)
+    optimizer, _ = optimizer_and_schedule(model, muon_args())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert sorted(calls) == sorted(p.shape for p in hidden_matrices(model))

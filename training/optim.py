@@ -9,7 +9,8 @@ orthogonalised momentum of its gradient, torch's update with its defaults:
 
     B_t = mu B_{t-1} + g_t                     momentum (mu = --muon-momentum), then Nesterov's look-ahead:
     M_t = g_t + mu B_t                         (torch writes both as lerps: the same direction, scaled by 1 - mu)
-    O_t = NS_5(M_t) ~ U V^T                    5 Newton-Schulz steps (in bfloat16) towards M_t = U S V^T's U V^T
+    O_t = NS_5(M_t) ~ U V^T                    5 Newton-Schulz steps towards M_t = U S V^T's U V^T (bfloat16 on an
+                                               accelerator, float32 on the CPU: `newton_schulz_float32`)
     W_t = W_{t-1} (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O_t
 
 so every singular direction of the update moves by about the same amount, whatever the gradient's spectrum.
@@ -17,8 +18,10 @@ so every singular direction of the update moves by about the same amount, whatev
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -61,6 +64,54 @@ def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return chosen
 
 
+def newton_schulz_float32(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation (`torch.optim._muon._zeropower_via_newtonschulz`, the same signature and
+    steps) in float32 instead of bfloat16: from X = G / |G|_F (the wide way round),
+
+        X <- a X + (b A + c A²) X,   A = X Xᵀ,   `ns_steps` times (a, b, c = 3.4445, -4.775, 2.0315)
+
+    which drives every singular value of X towards 1 (into about [0.7, 1.2]), so X ~ U Vᵀ for G = U Σ Vᵀ.
+
+    Why its own: torch runs the iteration in bfloat16, right on a GPU, but a CPU without bfloat16 arithmetic
+    emulates it, at twice float32's time for the tiny preset's 1024 x 256 matrices (docs/results.md); float32 is
+    also the closer to the exact U Vᵀ. `muon_step_on_the_cpu` puts it in torch's place for the CPU only."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(grad.dtype)
+
+
+@contextlib.contextmanager
+def muon_step_on_the_cpu(muon: torch.optim.Optimizer) -> Iterator[None]:
+    """Within it, `muon` (a torch.optim.Muon) orthogonalises in float32 (`newton_schulz_float32`) if every parameter
+    it steps is on the CPU; on an accelerator, or on a torch whose Muon is built otherwise, it runs as torch wrote it.
+
+    subtle: torch's Muon step calls its module's `_zeropower_via_newtonschulz` by name at each step, so the name is
+    swapped for the step and put back after it (also when the step raises). Training steps one optimizer at a time."""
+    try:  # (torch.optim.Muon's __module__ says "torch.optim"; its code lives here)
+        module = importlib.import_module("torch.optim._muon")
+    except ImportError:  # a torch without Muon, or with its code elsewhere
+        module = None
+    original = getattr(module, "_zeropower_via_newtonschulz", None)
+    on_cpu = all(p.device.type == "cpu" for group in muon.param_groups for p in group["params"])
+    if original is None or not on_cpu:
+        yield
+        return
+    module._zeropower_via_newtonschulz = newton_schulz_float32
+    try:
+        yield
+    finally:
+        module._zeropower_via_newtonschulz = original
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Two optimizers seen as one: `torch.optim.Muon` on `hidden_matrices`, `torch.optim.AdamW` on the rest.
 
@@ -92,8 +143,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for part in self.parts.values():
-            part.step()
+        self.parts["adamw"].step()
+        with muon_step_on_the_cpu(self.parts["muon"]):
+            self.parts["muon"].step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
