@@ -329,7 +329,7 @@ def read_results(path: str, identity: dict) -> dict:
         raise UsageError(
             f"{path} is not an ablation's results file ({error}); remove it or pass another --output-dir"
         ) from None
-    if saved.get("identity") != identity:
+    if saved.get("identity") != identity and not only_new_defaults(saved.get("identity") or {}, identity):
         now, then = identity["base"], (saved.get("identity") or {}).get("base", {})
         changed = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
         raise UsageError(
@@ -337,6 +337,21 @@ def read_results(path: str, identity: dict) -> dict:
             "differ): pass another --output-dir, or remove it to start again"
         )
     return {run_key(r["step"], r["seed"], r["lr_multiplier"]): r for r in saved["runs"]}
+
+
+def only_new_defaults(then: dict, now: dict) -> bool:
+    """Whether `now` differs from the identity `then` of an earlier part only by training arguments added since, each
+    at its default (what the earlier runs trained with, before the argument existed): an ablation runs over several
+    sessions, and a switch added meanwhile must not orphan its runs."""
+    from ..training import TrainingArguments
+
+    old, new = then.get("base", {}), now["base"]
+    if {k: v for k, v in then.items() if k != "base"} != {k: v for k, v in now.items() if k != "base"}:
+        return False
+    if set(old) - set(new) or any(old[k] != new[k] for k in old):
+        return False
+    defaults = TrainingArguments().to_dict()
+    return all(k in defaults and new[k] == defaults[k] for k in set(new) - set(old))
 
 
 def write_json(path: str, value) -> None:

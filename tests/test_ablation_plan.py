@@ -80,3 +80,36 @@ def test_the_sweep_says_when_the_chosen_rate_is_at_the_grids_edge():
     row = {**row, "learning_rate": 2e-3}
     assert ablation.sweep_text(row).endswith("0.002: 145.0* (edge)")
     assert ablation.sweep_text({"sweep": [[1e-3, 140.0]], "learning_rate": 1e-3}) == ""
+
+
+def saved_results(path, identity: dict) -> None:
+    import json
+
+    run = {"step": "paper", "seed": 0, "lr_multiplier": 1.0, "val_perplexity": 117.6, "curve": []}
+    path.write_text(json.dumps({"format": ablation.FORMAT, "identity": identity, "runs": [run]}))
+
+
+@pytest.fixture
+def identity():
+    base = ablation.base_settings("tiny", eval_every=50)
+    return {"base": base, "held_out": "stdlib", "held_out_documents": 10}
+
+
+def test_runs_from_before_a_new_training_argument_are_kept_when_it_is_at_its_default(tmp_path, identity):
+    """An ablation runs over several sessions: a training argument added in between, at its default (what the
+    earlier runs trained with), keeps their results; anything else of the settings changed still refuses them."""
+    from deriv_lm.errors import UsageError
+
+    path = tmp_path / "ablation.json"
+    earlier = {**identity, "base": {k: v for k, v in identity["base"].items() if k != "decay_ratio"}}
+    saved_results(path, earlier)
+    assert list(ablation.read_results(str(path), identity)) == ["paper/0/x1"]
+    moved = {**identity, "base": {**identity["base"], "decay_ratio": 0.5}}  # the new argument, not at its default
+    with pytest.raises(UsageError, match=r"other settings \(decay_ratio differ\)"):
+        ablation.read_results(str(path), moved)
+    saved_results(path, {**earlier, "base": {**earlier["base"], "max_steps": 200}})
+    with pytest.raises(UsageError, match=r"decay_ratio, max_steps differ"):
+        ablation.read_results(str(path), identity)
+    saved_results(path, {**earlier, "held_out": "other text"})
+    with pytest.raises(UsageError, match="other settings"):
+        ablation.read_results(str(path), identity)
