@@ -234,14 +234,49 @@ def test_past_torchs_recompile_limit_the_step_runs_uncompiled(monkeypatch, caplo
     assert len(lines) == 1 and "uncompiled" in lines[0]
 
 
-def test_transformers_custom_generate_hook_runs_the_same_loop(models):
-    """`custom_generate=decode_loop` compiles the step (its default); here uncompiled through the same hook."""
+class LoopRuns:
+    """Proof that the decode loop ran, not generate()'s own loop (whose tokens are the same by design, so equal
+    output proves nothing): each call of the loop's `run_steps`, with the settings and mode it hands the step, and
+    each step taken. The uncompiled loop calls `decode_step` by its module name, so every step it takes is counted
+    here; the compiled one traces it once, so a test of the compiled loop counts `runs` only.
+
+    Greedy search without an end token takes max_new_tokens - 1 steps: the first token comes from the prompt's
+    forward (`prefill`), every later one from a step."""
+
+    def __init__(self, monkeypatch):
+        self.runs, self.steps = [], 0
+        run_steps, decode_step = loop_module.run_steps, loop_module.decode_step
+
+        def counted_run(model, loop, sampling, *args, **kwargs):
+            self.runs.append(sampling)
+            return run_steps(model, loop, sampling, *args, **kwargs)
+
+        def counted_step(*args):
+            self.steps += 1
+            return decode_step(*args)
+
+        monkeypatch.setattr(loop_module, "run_steps", counted_run)
+        monkeypatch.setattr(loop_module, "decode_step", counted_step)
+
+    def setting(self, run: int, name: str) -> float:
+        """Run `run`'s value of a `Settings` field (its first row's)."""
+        return getattr(self.runs[run][0], name)[0, 0].item()
+
+    def mode(self, run: int) -> tuple[bool, bool, bool]:
+        """Run `run`'s (do_sample, penalised, warped)."""
+        return self.runs[run][1]
+
+
+def test_transformers_custom_generate_hook_runs_the_same_loop(models, monkeypatch):
+    """`custom_generate=decode_loop` compiles the step (its default); here uncompiled through the same hook: the
+    loop's 19 steps ran, and the tokens are generate()'s."""
     model, ids = models["llama"], prompt()
     expected = model.generate(ids, max_new_tokens=20, eos_token_id=None, **GREEDY)
+    loop = LoopRuns(monkeypatch)
     decode_loop = functools.partial(loop_module.decode_loop, loop="eager")
-    assert torch.equal(
-        model.generate(ids, max_new_tokens=20, eos_token_id=None, custom_generate=decode_loop, **GREEDY), expected
-    )
+    got = model.generate(ids, max_new_tokens=20, eos_token_id=None, custom_generate=decode_loop, **GREEDY)
+    assert (len(loop.runs), loop.steps) == (1, 19), "the hook ran the loop"
+    assert torch.equal(got, expected)
 
 
 def test_the_generation_config_switch_survives_save_and_load(tmp_path, monkeypatch):
@@ -320,6 +355,37 @@ def test_sampling_draws_from_generates_distribution(models):
     distribution (0.025 here; the same samples measured against temperature 1.0's distribution give 0.08)."""
     torch.manual_seed(0)
     assert sampled_pair_distance(models["paper"], prompt(1, 5), 0.7, 3, "eager") < 0.05
+
+
+def fitted_temperature(model, ids, temperature: float, loop: str) -> float:
+    """The temperature that makes two tokens sampled through the loop at `temperature` (2000 copies of one prompt,
+    nothing truncated: top-k 0) most likely, by maximum likelihood on a grid of steps of 0.01 within 0.2 of it,
+    under the model's own logits: softmax(z / t) for the first token and for the second after each first.
+
+    Why a fit and not a distance: top-k truncation damps a wrong temperature, and a total variation over pairs is
+    noisy, so T and T + 0.1 passed the same bound; the likelihood ratio is the most powerful test between two
+    temperatures (here the samples are about 60 nats less likely at T +- 0.1, and the fit lands within 0.015)."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        first = model(ids).logits[0, -1].float()  # (V,)
+        after = torch.cat([ids.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        second = model(after).logits[:, -1].float()  # (V, V): row a, the logits after first token a
+    kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0, "eos_token_id": None, "pad_token_id": 0}
+    out = model.generate(ids.repeat(2000, 1), max_new_tokens=2, decode_loop=loop, **kwargs)
+    a, b = out[:, -2], out[:, -1]
+
+    def log_likelihood(t: float) -> float:
+        return float(torch.log_softmax(first / t, -1)[a].sum() + torch.log_softmax(second / t, -1)[a, b].sum())
+
+    grid = [round(temperature + step / 100, 2) for step in range(-20, 21)]
+    return max(grid, key=log_likelihood)
+
+
+def test_sampling_is_at_the_temperature_asked_for(models):
+    """Sampling through the loop at temperature 0.6: the temperature the samples fit is 0.6, within 0.04; the loop
+    at 0.5 or 0.7 fits 0.1 away."""
+    torch.manual_seed(0)
+    assert fitted_temperature(models["paper"], prompt(1, 5), 0.6, "eager") == pytest.approx(0.6, abs=0.04)
 
 
 class Never(StoppingCriteria):
@@ -441,6 +507,13 @@ def test_compiled_loop_gives_generates_greedy_tokens(kind):
 def test_compiled_loop_samples_generates_distribution():
     torch.manual_seed(1)
     assert sampled_pair_distance(tiny("paper", seed=2), prompt(1, 5, seed=6), 0.8, 4, "compiled") < 0.05
+
+
+@compiles
+def test_compiled_loop_samples_at_the_temperature_asked_for():
+    torch.manual_seed(2)
+    fitted = fitted_temperature(tiny("paper", seed=2), prompt(1, 5, seed=6), 0.8, "compiled")
+    assert fitted == pytest.approx(0.8, abs=0.04)
 
 
 @compiles
