@@ -2,6 +2,7 @@
 
     deriv bench ablation                                    # every step x seeds 0,1,2, the tiny preset's 600 steps
     deriv bench ablation --lr-grid 0.5,1,2                  # each step's learning rate chosen from three
+    deriv bench ablation --lr-grid 1,2,4 --muon-lr-grid 0.5,1,2 --jobs 2   # Muon's rate its own grid; 2 at a time
     deriv bench ablation --steps paper,swiglu --seeds 0     # a subset (each step still keeps the changes above it)
     deriv bench ablation --json ablation.json --plot docs/images/ablation.png
 
@@ -30,14 +31,18 @@ initialisation, the data order, dropout, the validation split and so the tokeniz
 gives the parameters, the KV-cache bytes per token (2 x layers x kv_heads x head_dim x 4, fp32), validation and
 held-out perplexity as the mean and sample standard deviation over the seeds (the JSON adds min and max), the
 first evaluated step at which each seed's run is at or below the paper step's final validation perplexity of the
-same seed (the validation split moves with the seed, so only same-seed comparisons count), and training tokens/s:
-for each run the median of the trainer's logged intervals after the first (which includes warm-up; evaluation and
-checkpoints are outside its clock), then the median over seeds.
+same seed (the validation split moves with the seed, so only same-seed comparisons count), and the speed of a
+training step: each step's model and optimizer built side by side in this process and one step of each timed in
+turn, `--step-repeats` rounds, the median (tokens/s, and seconds per step as a ratio to the paper's). The runs
+themselves take hours, so their own logged tokens/s (in the JSON) see whatever else the machine ran meanwhile;
+the interleaved steps see the same machine.
 
 The learning rate: `--lr-grid M1,M2,...` multiplies the step's peak learning rate (the preset's `learning_rate`,
 or `muon_learning_rate` once the step trains with Muon) by each multiplier on the first seed; the lowest
 validation perplexity picks the step's learning rate, which the other seeds then use. The sweep is in the table,
 so no change loses for want of its own learning rate. (Default `1`: the preset's learning rate, no sweep.)
+`--muon-lr-grid` gives Muon's steps a grid of their own (its rate is a different quantity: the RMS of an update).
+A run whose loss diverges is a result of the sweep (recorded as diverged, never chosen), not a failure of it.
 
 Validation is the run's own: the 5% of documents its seed holds out, evaluated every `--eval-every` steps (50 by
 default: the curve gives the step at which a run reaches a perplexity; evaluation does not touch the training's
@@ -50,6 +55,8 @@ The runs go in two rounds: first the sweep (every step at each multiplier, on th
 seeds, seed by seed, every step within each at its chosen learning rate: a slower hour of the machine then falls
 on all steps alike. Results go to OUTPUT_DIR/ablation.json, rewritten whole after every run: an ablation that is
 stopped and started again with the same settings skips the runs it finished; the run it was in starts over.
+`--jobs N` trains N runs at a time, each in its own process with 1/N of the cores as torch threads (the
+perplexities do not depend on it beyond floating-point summation order; `threads` in each run's record).
 """
 
 from __future__ import annotations
@@ -58,10 +65,12 @@ import argparse
 import ast
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import statistics
 import sysconfig
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
 from ..arguments import integer
 from ..errors import UsageError
@@ -388,29 +397,29 @@ def validation_curve(folder: str) -> list[list]:
 
 def one_run(step: str, seed: int, multiplier: float, base: dict, folder: str, held_out: list[str], cpu: bool) -> dict:
     """Train (step, seed) at the learning rate times `multiplier` into `folder` from scratch and measure it."""
+    import torch
     from transformers import AutoTokenizer
 
     from ..modeling_deriv import DerivForCausalLM
-    from ..training import TrainingArguments, train_lm
+    from ..training import NonFiniteLoss, TrainingArguments, train_lm
 
     if os.path.exists(folder):
         shutil.rmtree(folder)  # a run stopped midway: its result was never recorded, so it starts over
     values = training_values(step, seed, base, folder, multiplier)
     train_args = TrainingArguments(**values)
-    train_lm(train_args, cpu=cpu)
+    rate = swept_rate(values)
+    try:
+        train_lm(train_args, cpu=cpu)
+    except NonFiniteLoss as error:  # a rate too high for the step: a result of the sweep, not a failure of it
+        shutil.rmtree(folder, ignore_errors=True)
+        return {**run_identity(step, seed, multiplier, rate, values, base), "diverged": str(error)}
     with open(os.path.join(folder, "run.json")) as f:
         record = json.load(f)
     model = DerivForCausalLM.from_pretrained(folder)
     held = held_out_loss(model, AutoTokenizer.from_pretrained(folder), held_out, base["max_position_embeddings"])
     shutil.rmtree(train_args.checkpoint_dir, ignore_errors=True)  # the run is over; the exported folder stays
-    rate = swept_rate(values)
     return {
-        "step": step,
-        "seed": seed,
-        "lr_multiplier": multiplier,
-        "swept": rate,
-        "learning_rate": values[rate],
-        "overrides": step_overrides(step, base),
+        **run_identity(step, seed, multiplier, rate, values, base),
         "parameters": record["model"]["parameters"],
         "kv_bytes_per_token": kv_bytes_per_token(model.config),
         "val_loss": record["metrics"]["val_loss"],
@@ -421,14 +430,29 @@ def one_run(step: str, seed: int, multiplier: float, base: dict, folder: str, he
         "held_out_tokens": held["tokens"],
         "tokens_per_second": median_logged_throughput(folder),
         "wall_seconds": record["training"]["wall_seconds"],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def run_identity(step: str, seed: int, multiplier: float, rate: str, values: dict, base: dict) -> dict:
+    """What names a run in the results file and the table: step, seed, the swept rate and its value."""
+    return {
+        "step": step,
+        "seed": seed,
+        "lr_multiplier": multiplier,
+        "swept": rate,
+        "learning_rate": values[rate],
+        "overrides": step_overrides(step, base),
     }
 
 
 # ---- the summary -----------------------------------------------------------------------------------------
 
 
-def spread(values: list[float]) -> dict:
-    """Mean, sample standard deviation (0 for one value), min and max."""
+def spread(values: list[float]) -> dict | None:
+    """Mean, sample standard deviation (0 for one value), min and max; None for no values."""
+    if not values:
+        return None
     return {
         "mean": statistics.fmean(values),
         "std": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -437,13 +461,25 @@ def spread(values: list[float]) -> dict:
     }
 
 
+def perplexity_of(run: dict) -> float:
+    """A run's final validation perplexity; infinite for one whose loss diverged (never the sweep's choice)."""
+    return math.inf if "diverged" in run else run["val_perplexity"]
+
+
 def chosen_multiplier(results: dict, step: str, seed: int, grid: list[float]) -> float | None:
     """The multiplier of `grid` whose run of (step, seed) has the lowest validation perplexity; None until every
     run of the sweep is in."""
     runs = [results.get(run_key(step, seed, m)) for m in grid]
     if any(r is None for r in runs):
         return None
-    return min(runs, key=lambda r: r["val_perplexity"])["lr_multiplier"]
+    return min(runs, key=perplexity_of)["lr_multiplier"]
+
+
+def grids_of(steps: list[str], base: dict, lr_grid: list[float], muon_grid: list[float] | None) -> dict:
+    """{step: the multipliers of its sweep}: `muon_grid` (else `lr_grid`) for a step that trains with Muon, whose
+    swept rate is Muon's, `lr_grid` for the others."""
+    grid = {"learning_rate": lr_grid, "muon_learning_rate": muon_grid or lr_grid}
+    return {step: grid[swept_rate(step_overrides(step, base))] for step in steps}
 
 
 def steps_to_reach(curve: list[list], target: float) -> int | None:
@@ -451,22 +487,26 @@ def steps_to_reach(curve: list[list], target: float) -> int | None:
     return next((step for step, perplexity in curve if perplexity <= target), None)
 
 
-def summarize(results: dict, steps: list[str], seeds: list[int], base: dict, grid: list[float]) -> list[dict]:
+def summarize(results: dict, steps: list[str], seeds: list[int], base: dict, grids: dict) -> list[dict]:
     """One row per step of the runs asked for, at the step's chosen learning rate: the seeds' spread of each
-    perplexity, the step at which each seed reaches the paper step's final perplexity of that seed, the median
-    tokens/s, and the sweep."""
-    chosen = {step: chosen_multiplier(results, step, seeds[0], grid) for step in steps}
+    perplexity (of the runs that did not diverge, which are named), the step at which each seed reaches the paper
+    step's final perplexity of that seed, the median logged tokens/s, and the sweep."""
+    chosen = {step: chosen_multiplier(results, step, seeds[0], grids[step]) for step in steps}
     runs_of = {step: [results[run_key(step, seed, chosen[step])] for seed in seeds] for step in steps}
     paper = runs_of.get("paper")
     rows = []
     for step in steps:
         runs = runs_of[step]
+        done = [r for r in runs if "diverged" not in r] or [{}]
         reached = (
-            [steps_to_reach(r["curve"], p["val_perplexity"]) for r, p in zip(runs, paper, strict=True)]
+            [
+                None if "diverged" in r or "diverged" in p else steps_to_reach(r["curve"], p["val_perplexity"])
+                for r, p in zip(runs, paper, strict=True)
+            ]
             if paper
             else []
         )
-        sweep = [results[run_key(step, seeds[0], m)] for m in grid]
+        sweep = [results[run_key(step, seeds[0], m)] for m in grids[step]]
         rows.append(
             {
                 "step": step,
@@ -474,15 +514,16 @@ def summarize(results: dict, steps: list[str], seeds: list[int], base: dict, gri
                 "changes": own_changes(step, base),
                 "overrides": runs[0]["overrides"],
                 "seeds": seeds,
-                "parameters": runs[0]["parameters"],
-                "kv_bytes_per_token": runs[0]["kv_bytes_per_token"],
+                "diverged_seeds": [r["seed"] for r in runs if "diverged" in r],
+                "parameters": done[0].get("parameters"),
+                "kv_bytes_per_token": done[0].get("kv_bytes_per_token"),
                 "swept": runs[0]["swept"],
                 "learning_rate": runs[0]["learning_rate"],
-                "sweep": [[r["learning_rate"], r["val_perplexity"]] for r in sweep],
-                "val_perplexity": spread([r["val_perplexity"] for r in runs]),
-                "held_out_perplexity": spread([r["held_out_perplexity"] for r in runs]),
+                "sweep": [[r["learning_rate"], r.get("val_perplexity")] for r in sweep],
+                "val_perplexity": spread([r["val_perplexity"] for r in done if r]),
+                "held_out_perplexity": spread([r["held_out_perplexity"] for r in done if r]),
                 "steps_to_paper": reached,
-                "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+                "tokens_per_second": statistics.median(r["tokens_per_second"] for r in done) if done[0] else None,
             }
         )
     return rows
@@ -498,47 +539,105 @@ def reached_text(reached: list[int | None], steps: int) -> str:
 
 
 def sweep_text(row: dict) -> str:
-    """'1e-3: 138.2*, 2e-3: 131.0' for a sweep (* the chosen; 'edge' when the chosen is the grid's first or last,
-    where a wider grid may find better), '' for none."""
+    """'1e-3: 138.2*, 2e-3: 131.0' for a sweep (* the chosen; 'diverged' for a run whose loss did; 'edge' when the
+    chosen is the grid's first or last, where a wider grid may find better), '' for none."""
     sweep = row["sweep"]
     if len(sweep) < 2:
         return ""
-    text = ", ".join(f"{lr:.2g}: {ppl:.1f}{'*' if lr == row['learning_rate'] else ''}" for lr, ppl in sweep)
+    text = ", ".join(
+        f"{lr:.2g}: {'diverged' if ppl is None else f'{ppl:.1f}'}{'*' if lr == row['learning_rate'] else ''}"
+        for lr, ppl in sweep
+    )
     return text + (" (edge)" if row["learning_rate"] in (sweep[0][0], sweep[-1][0]) else "")
+
+
+def spread_text(value: dict | None) -> str:
+    return "—" if value is None else f"{value['mean']:.2f} ± {value['std']:.2f}"
 
 
 def print_table(rows: list[dict], base: dict, held_out: str) -> None:
     seeds = rows[0]["seeds"] if rows else []
+    timed = all("step_seconds" in row for row in rows)
     print(
         f"the {base['preset']} preset, {base['max_steps']} steps of {base['batch_size']} x "
         f"{base['max_position_embeddings']} tokens, seeds {', '.join(map(str, seeds))}; perplexity: mean ± sample "
         "std over the seeds; reaches paper: the first evaluated step at or below the paper step's final validation "
-        "perplexity of the same seed (mean over seeds); tokens/s: the median over seeds of each run's median "
-        "logged interval; sweep: validation perplexity of the first seed at each peak learning rate (* chosen)"
+        "perplexity of the same seed (mean over seeds); "
+        + (
+            "tokens/s and s/step: one training step of each row's model and optimizer, the rows interleaved in this "
+            "process, the median of --step-repeats (x paper: its seconds over the paper row's); "
+            if timed
+            else "tokens/s: the median over seeds of each run's median logged interval; "
+        )
+        + "sweep: validation perplexity of the first seed at each peak learning rate (* chosen)"
     )
     print(f"held out: {held_out}")
     headers = ["step", "changes", "parameters", "KV bytes/token", "peak lr", "val ppl", "held-out ppl"]
-    headers += ["reaches paper", "tokens/s", "sweep"]
+    headers += ["reaches paper", "tokens/s", *(["s/step (x paper)"] if timed else []), "sweep"]
+    paper = next((row.get("step_seconds") for row in rows if row["step"] == "paper"), None)
     table = []
     for row in rows:
         changes = ", ".join(f"{k}={v}" for k, v in row["changes"].items()) or "(the preset)"
-        val, held = row["val_perplexity"], row["held_out_perplexity"]
         rate = f"{row['learning_rate']:.2g}" + (" (Muon)" if row["swept"] == "muon_learning_rate" else "")
+        diverged = f" (seed {', '.join(map(str, row['diverged_seeds']))} diverged)" if row["diverged_seeds"] else ""
+        tps = row["tokens_per_second"]
+        seconds = row.get("step_seconds")
         table.append(
             [
                 row["title"],
                 changes,
-                f"{row['parameters']:,}",
-                f"{row['kv_bytes_per_token']:,}",
+                "—" if row["parameters"] is None else f"{row['parameters']:,}",
+                "—" if row["kv_bytes_per_token"] is None else f"{row['kv_bytes_per_token']:,}",
                 rate,
-                f"{val['mean']:.2f} ± {val['std']:.2f}",
-                f"{held['mean']:.2f} ± {held['std']:.2f}",
+                spread_text(row["val_perplexity"]) + diverged,
+                spread_text(row["held_out_perplexity"]),
                 reached_text(row["steps_to_paper"], base["max_steps"]),
-                f"{row['tokens_per_second']:,.0f}",
+                "—" if tps is None else f"{tps:,.0f}",
+                *([f"{seconds:.3f} ({seconds / paper:.2f}x)" if paper else f"{seconds:.3f}"] if timed else []),
                 sweep_text(row),
             ]
         )
     markdown_table(headers, table)
+
+
+def step_seconds(steps: list[str], base: dict, repeats: int, cpu: bool) -> dict:
+    """{step: median seconds of one training step}: each step's model and optimizer (its settings at seed 0), one
+    batch of the preset's shape, forward, backward, clipping, the optimizer and the schedule, the steps
+    interleaved `repeats` times in this process, so that the machine's noise falls on all alike (the runs' own
+    logged tokens/s are taken hours apart, on a machine that other work may share)."""
+    import torch
+
+    from ..modeling_deriv import DerivConfig, DerivForCausalLM
+    from ..training.optim import choose_mixed_precision, optimizer_and_schedule
+    from .decoder import interleaved_seconds
+
+    device = "cuda" if torch.cuda.is_available() and not cpu else "cpu"
+    bf16 = choose_mixed_precision(base["mixed_precision"], device == "cpu") == "bf16"  # as the runs train
+    shape = (base["batch_size"], base["max_position_embeddings"])
+    batch = torch.randint(3, base["vocab_size"], shape, generator=torch.Generator().manual_seed(0)).to(device)
+    setups = {}
+    for step in steps:
+        args = checked_arguments(step, base)
+        torch.manual_seed(0)
+        model = DerivForCausalLM(DerivConfig(vocab_size=base["vocab_size"], **args.model_overrides()))
+        model.to(device).train()
+        setups[step] = (model, *optimizer_and_schedule(model, args), args.max_grad_norm)
+
+    def one(step: str) -> None:
+        model, optimizer, schedule, clip = setups[step]
+        with torch.autocast(device, torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for step in steps:  # warm-up: the first steps allocate the optimizers' state
+        one(step)
+        one(step)
+    times = interleaved_seconds(one, steps, repeats, device)
+    return {step: statistics.median(seconds) for step, seconds in times.items()}
 
 
 def plot(rows: list[dict], path: str) -> str:
@@ -553,12 +652,12 @@ def plot(rows: list[dict], path: str) -> str:
         ("val_perplexity", "validation", -0.08, "o"),
         ("held_out_perplexity", "held out", 0.08, "s"),
     ):
-        means = [row[key]["mean"] for row in rows]
-        errors = [row[key]["std"] for row in rows]
+        means = [row[key]["mean"] if row[key] else math.nan for row in rows]  # nan: every seed diverged
+        errors = [row[key]["std"] if row[key] else 0.0 for row in rows]
         left.errorbar([i + offset for i in x], means, yerr=errors, fmt=marker + "-", capsize=4, label=name)
     left.set_ylabel("perplexity (mean ± std over seeds)")
     left.legend()
-    right.bar(x, [row["tokens_per_second"] for row in rows], color="tab:gray")
+    right.bar(x, [row["tokens_per_second"] or 0.0 for row in rows], color="tab:gray")
     right.set_ylabel("training tokens/s (median over seeds)")
     for ax in (left, right):
         ax.set_xticks(x)
@@ -639,6 +738,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply each step's peak learning rate by each of these on the first seed and keep the best "
         "(default 1: no sweep)",
     )
+    parser.add_argument(
+        "--muon-lr-grid",
+        type=multiplier_list,
+        default=None,
+        metavar="M1,M2,...",
+        help="the multipliers of Muon's learning rate for the steps that train with Muon (default: --lr-grid's)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=integer(minimum=1),
+        default=1,
+        help="runs at a time, each in its own process with its share of the cores (default 1: in this process)",
+    )
+    parser.add_argument(
+        "--step-repeats",
+        type=integer(minimum=0),
+        default=10,
+        help="time each step's training step this many times, the steps interleaved, for the table's tokens/s and "
+        "s/step (default 10; 0: the runs' logged tokens/s instead)",
+    )
     parser.add_argument("--config", help="a `deriv train lm --config` file whose values go over the preset's")
     parser.add_argument("--held-out", nargs="+", metavar="FILE", help="held-out text (default: stdlib docstrings)")
     parser.add_argument("--output-dir", default="runs/ablation", help="the runs' folders and ablation.json")
@@ -652,15 +771,102 @@ def run_folder(output_dir: str, step: str, seed: int, multiplier: float) -> str:
     return os.path.join(output_dir, f"{step}-seed{seed}{suffix}")
 
 
-def planned_runs(results: dict, steps: list[str], seeds: list[int], grid: list[float]):
-    """(step, seed, multiplier) in order: the sweep on the first seed, then each other seed at each step's chosen
-    multiplier (known once the sweep is in: `results` grows as the runs finish)."""
+def planned_runs(results: dict, steps: list[str], seeds: list[int], grids: dict):
+    """(step, seed, multiplier) in order: the sweep on the first seed (each step at each multiplier of its grid),
+    then each other seed at each step's chosen multiplier (None until the step's sweep is all in: `results` grows
+    as the runs finish)."""
     for step in steps:
-        for multiplier in grid:
+        for multiplier in grids[step]:
             yield step, seeds[0], multiplier
     for seed in seeds[1:]:
         for step in steps:
-            yield step, seed, chosen_multiplier(results, step, seeds[0], grid)
+            yield step, seed, chosen_multiplier(results, step, seeds[0], grids[step])
+
+
+def ready_runs(results: dict, running, steps: list[str], seeds: list[int], grids: dict, free: int) -> list:
+    """The next `free` planned runs that can start now: not finished, not running, their learning rate known."""
+    ready = []
+    for step, seed, multiplier in planned_runs(results, steps, seeds, grids):
+        if multiplier is not None and run_key(step, seed, multiplier) not in {*results, *running}:
+            ready.append((step, seed, multiplier))
+    return ready[:free]
+
+
+class InlineExecutor:
+    """`submit` runs the call at once in this process (--jobs 1: the runs in the process, one after another);
+    an exception, Ctrl-C included, goes straight up."""
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def executor(jobs: int):
+    """Where the runs go: this process for one job; else `jobs` fresh processes (spawned: no state of this one
+    shared), each with its share of the cores as torch threads: small matrices use two threads poorly, so two
+    one-thread runs finish more work on two cores than one two-thread run."""
+    if jobs == 1:
+        return InlineExecutor()
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    context = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(jobs, mp_context=context, initializer=_set_threads, initargs=(threads,))
+
+
+def report_run(key: str, done: dict) -> None:
+    if "diverged" in done:
+        print(f"{key}: peak learning rate {done['learning_rate']:.3g}, diverged ({done['diverged']})")
+        return
+    print(
+        f"{key}: peak learning rate {done['learning_rate']:.3g}, validation perplexity "
+        f"{done['val_perplexity']:.2f}, held-out {done['held_out_perplexity']:.2f}, "
+        f"{done['tokens_per_second']:,.0f} tokens/s"
+    )
+
+
+def run_all(args: argparse.Namespace, base: dict, documents: list[str], path: str, identity: dict, grids: dict):
+    """Every planned run not in the results file yet, `args.jobs` at a time; the file rewritten after each. A run
+    that fails stops new ones; those running finish and are kept before the failure is raised."""
+    results = read_results(path, identity)
+    for step, seed, multiplier in planned_runs(results, args.steps, args.seeds, grids):
+        if multiplier is not None and run_key(step, seed, multiplier) in results:
+            print(f"{run_key(step, seed, multiplier)}: done earlier, skipped")
+    running: dict[str, Future] = {}
+    failure = None
+    with executor(args.jobs) as pool:
+        while True:
+            free = 0 if failure else args.jobs - len(running)
+            for step, seed, multiplier in ready_runs(results, running, args.steps, args.seeds, grids, free):
+                folder = run_folder(args.output_dir, step, seed, multiplier)
+                running[run_key(step, seed, multiplier)] = pool.submit(
+                    one_run, step, seed, multiplier, base, folder, documents, args.cpu
+                )
+            if not running:
+                break
+            finished, _ = wait(running.values(), return_when=FIRST_COMPLETED)
+            for key in [k for k, future in running.items() if future in finished]:
+                future = running.pop(key)
+                if future.exception() is not None:
+                    failure = failure or future.exception()
+                    continue
+                results[key] = future.result()
+                write_results(path, identity, results)
+                report_run(key, results[key])
+    if failure is not None:
+        raise failure
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
@@ -677,23 +883,15 @@ def run(args: argparse.Namespace) -> int:
     documents, description = held_out_text(args.held_out)
     identity = {"base": base, "held_out": description, "held_out_documents": len(documents)}
     os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, RESULTS)
-    results = read_results(path, identity)
-    for step, seed, multiplier in planned_runs(results, args.steps, args.seeds, args.lr_grid):
-        key = run_key(step, seed, multiplier)
-        if key in results:
-            print(f"{key}: done earlier, skipped")
-            continue
-        folder = run_folder(args.output_dir, step, seed, multiplier)
-        results[key] = one_run(step, seed, multiplier, base, folder, documents, args.cpu)
-        write_results(path, identity, results)
-        done = results[key]
-        print(
-            f"{key}: peak learning rate {done['learning_rate']:.3g}, validation perplexity "
-            f"{done['val_perplexity']:.2f}, held-out {done['held_out_perplexity']:.2f}, "
-            f"{done['tokens_per_second']:,.0f} tokens/s"
-        )
-    rows = summarize(results, args.steps, args.seeds, base, args.lr_grid)
+    grids = grids_of(args.steps, base, args.lr_grid, args.muon_lr_grid)
+    results = run_all(args, base, documents, os.path.join(args.output_dir, RESULTS), identity, grids)
+    rows = summarize(results, args.steps, args.seeds, base, grids)
+    if args.step_repeats:
+        seconds = step_seconds(args.steps, base, args.step_repeats, args.cpu)
+        for row in rows:
+            row["logged_tokens_per_second"] = row["tokens_per_second"]
+            row["step_seconds"] = seconds[row["step"]]
+            row["tokens_per_second"] = base["batch_size"] * base["max_position_embeddings"] / seconds[row["step"]]
     print_table(rows, base, description)
     if args.json:
         write_json(args.json, {"base": base, "held_out": description, "rows": rows})

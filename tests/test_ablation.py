@@ -211,6 +211,9 @@ def test_a_second_run_skips_the_finished_runs(ablated, setup, monkeypatch, capsy
         (["--lr-grid", "1,1"], "distinct positive numbers"),
         (["--lr-grid", "nan"], "distinct positive numbers"),
         (["--eval-every", "0"], "must be an integer"),
+        (["--muon-lr-grid", "0,1"], "distinct positive numbers"),
+        (["--jobs", "0"], "--jobs: must be an integer >= 1"),
+        (["--step-repeats", "-1"], "--step-repeats: must be an integer >= 0"),
     ],
 )
 def test_bad_flags_are_one_clear_line(flags, says, tmp_path, capsys):
@@ -257,3 +260,18 @@ def test_the_sweep_picks_each_steps_rate_and_the_other_seeds_use_it(setup, tmp_p
         own = [by[(step, seed, best["lr_multiplier"])] for seed in (0, 1)]
         reached = [ablation.steps_to_reach(r["curve"], t) for r, t in zip(own, targets, strict=True)]
         assert rows[step]["steps_to_paper"] == reached
+
+
+def test_two_jobs_train_the_same_runs_each_in_its_own_process(ablated, setup, tmp_path):
+    """--jobs 2: the runs go to two spawned processes with a core each (`threads` in their records), and train what
+    the in-process runs trained (the same validation loss, to summation order)."""
+    tmp, argv = setup
+    out = tmp_path / "jobs"
+    argv = [a if a != argv[argv.index("--output-dir") + 1] else str(out) for a in argv]
+    assert main([*argv, "--steps", "paper,rotary,muon", "--jobs", "2", "--step-repeats", "1"]) == 0
+    runs = {r["step"]: r for r in json.loads((out / "ablation.json").read_text())["runs"]}
+    inline = {r["step"]: r for r in json.loads((tmp / "out" / "ablation.json").read_text())["runs"]}
+    assert set(runs) == {"paper", "rotary", "muon"}
+    for step, run in runs.items():
+        assert run["threads"] == max(1, (os.cpu_count() or 1) // 2)
+        assert run["val_loss"] == pytest.approx(inline[step]["val_loss"], rel=1e-4)

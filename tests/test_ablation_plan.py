@@ -30,7 +30,7 @@ def test_the_sweep_picks_the_lowest_validation_perplexity_once_every_rate_is_in(
 
 def test_the_plan_sweeps_on_the_first_seed_then_runs_each_other_seed_at_the_chosen_rate():
     grid, results = [0.5, 2.0], {}
-    plan = ablation.planned_runs(results, ["paper", "rotary"], [3, 4], grid)
+    plan = ablation.planned_runs(results, ["paper", "rotary"], [3, 4], {"paper": grid, "rotary": grid})
     sweep = [next(plan) for _ in range(4)]
     assert sweep == [("paper", 3, 0.5), ("paper", 3, 2.0), ("rotary", 3, 0.5), ("rotary", 3, 2.0)]
     for step, seed, m in sweep:  # as the runs finish
@@ -48,6 +48,58 @@ def test_the_sweep_moves_muons_rate_once_the_step_trains_with_muon():
     values = ablation.training_values("muon", 0, base, "unused", multiplier=2.0)
     assert values["muon_learning_rate"] == 2 * base["muon_learning_rate"]
     assert values["learning_rate"] == base["learning_rate"]  # AdamW's part keeps the preset's
+
+
+def test_muons_steps_sweep_their_own_grid():
+    base = ablation.base_settings("tiny")
+    grids = ablation.grids_of(["paper", "softcap", "muon", "wsd"], base, [1.0, 2.0, 4.0], [0.5, 1.0, 2.0])
+    assert grids == {"paper": [1, 2, 4], "softcap": [1, 2, 4], "muon": [0.5, 1, 2], "wsd": [0.5, 1, 2]}
+    assert ablation.grids_of(["muon"], base, [1.0, 2.0], None) == {"muon": [1.0, 2.0]}  # default: --lr-grid's
+
+
+def test_runs_start_only_when_their_rate_is_known_and_not_twice():
+    """--jobs: the ready runs are the planned ones not finished, not running, with a known rate, at most `free`."""
+    grids = {"paper": [1.0, 2.0], "rotary": [1.0, 2.0]}
+    steps, seeds, results = ["paper", "rotary"], [0, 1], {}
+    ready = ablation.ready_runs(results, {}, steps, seeds, grids, 2)
+    assert ready == [("paper", 0, 1.0), ("paper", 0, 2.0)]
+    running = {ablation.run_key(*r): None for r in ready}
+    assert ablation.ready_runs(results, running, steps, seeds, grids, 1) == [("rotary", 0, 1.0)]
+    for m, p in ((1.0, 120.0), (2.0, 100.0)):
+        results[ablation.run_key("paper", 0, m)] = record("paper", 0, m, p)
+    # paper's sweep is in: its second seed can start, rotary's cannot until its own sweep is
+    assert ablation.ready_runs(results, {}, steps, seeds, grids, 5) == [
+        ("rotary", 0, 1.0),
+        ("rotary", 0, 2.0),
+        ("paper", 1, 2.0),
+    ]
+
+
+def test_a_diverged_run_is_never_the_sweeps_choice_and_the_table_says_so():
+    diverged = {**record("paper", 0, 4.0, None), "diverged": "The training loss became nan at step 80"}
+    results = {ablation.run_key("paper", 0, m): record("paper", 0, m, p) for m, p in ((1.0, 120.0), (2.0, 100.0))}
+    results[ablation.run_key("paper", 0, 4.0)] = diverged
+    grid = [1.0, 2.0, 4.0]
+    assert ablation.chosen_multiplier(results, "paper", 0, grid) == 2.0
+    row = {"sweep": [[1e-3, 120.0], [2e-3, 100.0], [4e-3, None]], "learning_rate": 2e-3}
+    assert ablation.sweep_text(row) == "0.001: 120.0, 0.002: 100.0*, 0.004: diverged"
+
+
+def test_the_step_timing_runs_each_steps_own_optimizer(monkeypatch):
+    """The table's s/step: the Muon steps' timed steps go through Muon (two of warm-up, then one per repeat), the
+    AdamW steps' do not."""
+    from deriv_lm.training import optim
+
+    if not hasattr(__import__("torch").optim, "Muon"):
+        pytest.skip("torch.optim.Muon is torch 2.9's")
+    calls = []
+    real = optim.MuonWithAdamW.step
+    monkeypatch.setattr(optim.MuonWithAdamW, "step", lambda self, *a: calls.append(1) or real(self, *a))
+    base = {**ablation.base_settings("tiny"), "vocab_size": 300, "max_position_embeddings": 8, "batch_size": 2}
+    base.update(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32)
+    seconds = ablation.step_seconds(["paper", "softcap", "muon", "wsd"], base, repeats=3, cpu=True)
+    assert set(seconds) == {"paper", "softcap", "muon", "wsd"} and all(s > 0 for s in seconds.values())
+    assert len(calls) == 2 * (2 + 3)
 
 
 def test_relu2_replaces_swiglu_with_the_papers_feed_forward():
