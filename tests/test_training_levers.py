@@ -240,6 +240,60 @@ def test_the_chunked_loss_and_its_gradients_are_the_plain_ones_in_bfloat16():
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())
 
 
+def scaled_grads(loss_fn, hidden, weight, labels, scale: float, **kwargs) -> list:
+    """d (scale * loss) / d input for each input that needs one: the backward handed `scale` as its incoming
+    gradient (what fp16 loss scaling, a loss weight or an accumulation window hand it), not 1."""
+    inputs = [t for t in (hidden, weight) if t.requires_grad]
+    loss = loss_fn(hidden, weight, labels, **kwargs)
+    return list(torch.autograd.grad(loss, inputs, grad_outputs=torch.tensor(scale, dtype=loss.dtype)))
+
+
+@pytest.mark.parametrize("scale", [0.25, -3.7, 1024.0])
+def test_the_chunked_loss_scales_its_gradients_by_the_incoming_gradient(scale):
+    """Its backward multiplies the gradients the forward computed by grad_output; one that took grad_output as 1
+    would pass every test that backpropagates the loss itself, and give fp16 loss scaling wrong gradients."""
+    hidden, weight, labels = problem()
+    expected = scaled_grads(plain_loss, hidden, weight, labels, scale, vocab=50)
+    got = scaled_grads(linear_cross_entropy, hidden, weight, labels, scale, vocab_size=50, chunk_size=7)
+    unscaled = scaled_grads(plain_loss, hidden, weight, labels, 1.0, vocab=50)
+    for g, want, one in zip(got, expected, unscaled, strict=True):
+        assert not torch.allclose(want, one)  # the scale shows in the gradient: the comparison can tell
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6 * abs(scale))
+    hidden.grad = weight.grad = None
+    (linear_cross_entropy(hidden, weight, labels, vocab_size=50, chunk_size=7) * scale).backward()  # the same, by
+    torch.testing.assert_close(hidden.grad, expected[0], rtol=1e-5, atol=1e-6 * abs(scale))  # a scaled loss
+
+
+class MatrixProducts(TorchDispatchMode):
+    """How many matrix products ran while the mode was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"], ids=["frozen head", "frozen below the head"])
+def test_with_one_input_frozen_the_chunked_loss_gives_the_others_plain_gradient_and_computes_no_more(frozen):
+    """A frozen output projection (fine-tuning the body) or frozen hidden states (training the head alone): the
+    other input's gradient is the plain loss's, under a scale too, the frozen one gets none, and the forward
+    computes only the gradient that is needed: per chunk, the logits and that one product (not three)."""
+    hidden, weight, labels = problem()
+    (hidden if frozen == "hidden" else weight).requires_grad_(False)
+    expected = scaled_grads(plain_loss, hidden, weight, labels, 0.5, vocab=50)
+    with MatrixProducts() as products:
+        got = scaled_grads(linear_cross_entropy, hidden, weight, labels, 0.5, vocab_size=50, chunk_size=7)
+    assert len(got) == 1
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    assert products.count == 2 * 8  # 54 positions in chunks of 7: 8 chunks, two products each
+    loss = linear_cross_entropy(hidden, weight, labels, vocab_size=50, chunk_size=7)
+    loss.backward()
+    assert (hidden if frozen == "hidden" else weight).grad is None
+
+
 def model_loss_and_grads(model, x, labels, autocast: bool = False, **kwargs):
     model.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
