@@ -109,8 +109,12 @@ def paths(tmp_path_factory) -> dict[str, str]:
     p["lm_truncated"] = broken("lm_truncated", p["lm"], truncate)
     p["lm_no_weights"] = broken("lm_no_weights", p["lm"], lambda t: (t / "model.safetensors").unlink())
     p["lm_bad_tokenizer"] = broken("lm_bad_tokenizer", p["lm"], lambda t: (t / "tokenizer.json").write_text("[]"))
-    # a chat template that reaches for Python's internals: jinja's sandbox stops it, the commands must say so
-    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    # a chat template that reaches for Python's internals: jinja's sandbox stops it, the commands must say so.
+    # subtle: it marks the assistant's messages ({% generation %}): without the marks `train sft` refuses the
+    # template for lacking them, before rendering it, and never reaches the sandbox
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}"
+    escape += "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+    escape += "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
     p["lm_escaping_template"] = broken(
         "lm_escaping_template", p["lm"], lambda t: (t / "chat_template.jinja").write_text(escape)
     )
@@ -164,374 +168,723 @@ def marian_with_sentencepiece(folder):
 
 
 # ---- the table ---------------------------------------------------------------------------------------
+#
+# Each row is (the command line, what its one line must say): the flag or field at fault as the message spells it,
+# with the bad value or the allowed range where the message gives them, or the file or folder at fault
+# ({placeholders} as in the command line). A refusal for another reason (a missing file, a missing extra, a flag
+# the command does not know) does not say it, and fails the row.
 
 OUT = "{tmp}/out"  # every command that writes is pointed here; it must not exist afterwards
+UNKNOWN = "unrecognized arguments: "  # argparse's line for a flag the command does not have
 
 TOKENIZER_TRAIN = [
-    ["--files", "{missing}"],
-    ["--files", "{empty}"],
-    ["--files", "{blank}"],
-    ["--files", "{latin1}"],
-    ["--files", "{emptydir}"],
-    ["--files", "{nocol}"],
-    ["--files", "{badjson}"],
-    ["--files", "{nocol_csv}"],
-    ["--vocab-size", "100"],
-    ["--vocab-size", "0"],
-    ["--vocab-size", "-5"],
-    ["--vocab-size", "1000000000"],
-    ["--vocab-size", "abc"],
-    ["--model-max-length", "0"],
-    ["--model-max-length", "-1"],
-    ["--special-token", ""],
-    ["--special-token", " "],
-    ["--dataset", "{missing_dir}"],
-    ["--dataset", "{emptydir}"],
-    ["--files", "{corpus}", "--dataset", "{emptydir}"],
-    ["--files", "{corpus}", "--text-column", "body"],
+    (["--files", "{missing}"], "No such file or folder: {missing}"),
+    (["--files", "{empty}"], "The corpus is empty: no document had any text"),
+    (["--files", "{blank}"], "The corpus is empty: no document had any text"),
+    (["--files", "{latin1}"], "{latin1}: not valid UTF-8 at byte 2"),
+    (["--files", "{emptydir}"], "No .txt/.jsonl/.json/.csv/.parquet files found in {emptydir}"),
+    (["--files", "{nocol}"], "{nocol}: no column 'text'; the columns are ['body']"),
+    (["--files", "{badjson}"], "{badjson}: cannot be read as json"),
+    (["--files", "{nocol_csv}"], "{nocol_csv}: no column 'text'; the columns are ['a', 'b']"),
+    (["--vocab-size", "100"], "argument --vocab-size: must be an integer >= 262 and <= 1048576, got '100'"),
+    (["--vocab-size", "0"], "argument --vocab-size: must be an integer >= 262 and <= 1048576, got '0'"),
+    (["--vocab-size", "-5"], "argument --vocab-size: must be an integer >= 262 and <= 1048576, got '-5'"),
+    (
+        ["--vocab-size", "1000000000"],
+        "argument --vocab-size: must be an integer >= 262 and <= 1048576, got '1000000000'",
+    ),
+    (["--vocab-size", "abc"], "argument --vocab-size: must be an integer >= 262 and <= 1048576, got 'abc'"),
+    (["--model-max-length", "0"], "argument --model-max-length: must be an integer >= 1, got '0'"),
+    (["--model-max-length", "-1"], "argument --model-max-length: must be an integer >= 1, got '-1'"),
+    (["--special-token", ""], "A special token must be a non-empty string, got ''"),
+    (["--special-token", " "], "A special token must be a non-empty string, got ' '"),
+    (["--dataset", "{missing_dir}"], "No such dataset folder: {missing_dir}"),
+    (["--dataset", "{emptydir}"], "{emptydir}: datasets cannot read this folder"),
+    (["--files", "{corpus}", "--dataset", "{emptydir}"], "argument --dataset: not allowed with argument --files"),
+    (["--files", "{corpus}", "--text-column", "body"], "{corpus}: no column 'body'; the columns are ['text']"),
 ]
-TOKENIZER_TRAIN_CASES = [["tokenizer", "train", "--out", OUT, *case] for case in TOKENIZER_TRAIN]
+TOKENIZER_TRAIN_CASES = [(["tokenizer", "train", "--out", OUT, *case], names) for case, names in TOKENIZER_TRAIN]
 TOKENIZER_TRAIN_CASES += [
-    ["tokenizer", "train", "--files", "{corpus}"],  # no --out
-    ["tokenizer", "train", "--files", "{corpus}", "--out", "{a_file}"],
+    (["tokenizer", "train", "--files", "{corpus}"], "the following arguments are required: --out"),
+    (["tokenizer", "train", "--files", "{corpus}", "--out", "{a_file}"], "--out {a_file} exists and is not a folder"),
 ]
 
 TOKENIZER_USE_CASES = [
-    ["tokenizer", "show", "{missing_dir}", "text"],
-    ["tokenizer", "show", "{emptydir}", "text"],
-    ["tokenizer", "show", "{a_file}", "text"],
-    ["tokenizer", "show", "{lm_bad_tokenizer}", "text"],
-    ["tokenizer", "stats", "{missing_dir}"],
-    ["tokenizer", "stats", "{tok}", "--sample-mb", "0"],
-    ["tokenizer", "stats", "{tok}", "--sample-mb", "-1"],
-    ["tokenizer", "stats", "{tok}", "--sample-mb", "nan"],
-    ["tokenizer", "stats", "{tok}", "--files", "{missing}"],
-    ["tokenizer", "stats", "{tok}", "--files", "{empty}"],
-    ["tokenizer", "stats", "{tok}", "--files", "{latin1}"],
+    (["tokenizer", "show", "{missing_dir}", "text"], "argument folder: No such folder: {missing_dir}"),
+    (["tokenizer", "show", "{emptydir}", "text"], "{emptydir}: not a tokenizer folder"),
+    (["tokenizer", "show", "{a_file}", "text"], "argument folder: No such folder: {a_file}"),
+    (["tokenizer", "show", "{lm_bad_tokenizer}", "text"], "{lm_bad_tokenizer}: not a tokenizer folder"),
+    (["tokenizer", "stats", "{missing_dir}"], "argument folder: No such folder: {missing_dir}"),
+    (["tokenizer", "stats", "{tok}", "--sample-mb", "0"], "argument --sample-mb: must be a number > 0, got '0'"),
+    (["tokenizer", "stats", "{tok}", "--sample-mb", "-1"], "argument --sample-mb: must be a number > 0, got '-1'"),
+    (["tokenizer", "stats", "{tok}", "--sample-mb", "nan"], "argument --sample-mb: must be a number > 0, got 'nan'"),
+    (["tokenizer", "stats", "{tok}", "--files", "{missing}"], "No such file or folder: {missing}"),
+    (
+        ["tokenizer", "stats", "{tok}", "--files", "{empty}"],
+        "{empty}, split into documents at blank lines has no text",
+    ),
+    (["tokenizer", "stats", "{tok}", "--files", "{latin1}"], "{latin1}: not valid UTF-8 at byte 2"),
 ]
 
-# flags that are wrong for both training tasks
+# Flags of the training tasks: (flags, what the line says, the one task that has the flag where only one does). The
+# other task does not know such a flag, and its row says so: `deriv train translation --label-smoothing 1` checks the
+# range, `deriv train lm --label-smoothing 1` is refused as an unknown flag (the line names it, not a range).
+LM, MT = "lm", "translation"
 TRAIN_FLAGS = [
-    ["--max-grad-norm", "-1"],
-    ["--max-grad-norm", "0"],
-    ["--max-grad-norm", "nan"],
-    ["--min-lr-ratio", "-0.1"],
-    ["--min-lr-ratio", "1.5"],
-    ["--weight-decay", "-0.1"],
-    ["--warmup-steps", "-1"],
-    ["--learning-rate", "0"],
-    ["--learning-rate", "-1"],
-    ["--learning-rate", "nan"],
-    ["--learning-rate", "inf"],
-    ["--dropout", "1.0"],
-    ["--dropout", "-0.1"],
-    ["--adam-beta1", "1.0"],
-    ["--adam-beta2", "-0.1"],
-    ["--batch-size", "0"],
-    ["--max-steps", "0"],
-    ["--context-length", "0"],
-    ["--hidden-size", "30", "--num-attention-heads", "4"],
-    ["--num-attention-heads", "0"],
-    ["--num-hidden-layers", "0"],
-    ["--intermediate-size", "0"],
-    ["--vocab-size", "100"],
-    ["--vocab-size", "1000000000"],
-    ["--validation-fraction", "0"],
-    ["--validation-fraction", "1"],
-    ["--label-smoothing", "1"],
-    ["--label-smoothing", "-0.1"],
-    ["--mixed-precision", "fp8"],
-    ["--report-to", "wandb"],
-    ["--lr-schedule", "linear"],
-    ["--optimizer", "sgd"],
-    ["--muon-learning-rate", "0"],
-    ["--muon-learning-rate", "-1"],
-    ["--muon-momentum", "1"],
-    ["--decay-ratio", "0"],
-    ["--decay-ratio", "1.5"],
-    ["--lr-schedule", "wsd", "--decay-ratio", "0.95"],  # the warmup and the decay are longer than the run
-    ["--pad-vocab-size-to-multiple-of", "0"],
-    ["--pad-vocab-multiple", "-64"],
-    ["--pad-vocab-multiple", "1.5"],
-    ["--loss-implementation", "fused"],
-    ["--loss-chunk-size", "0"],
-    ["--loss-chunk-size", "-1"],
-    ["--hidden-act", "swishy"],
-    ["--preset", "huge"],
-    ["--seed", "-1"],
-    ["--seed", "4294967296"],
-    ["--num-proc", "0"],
-    ["--eval-batches", "0"],
-    ["--keep-checkpoints", "0"],
-    ["--log-every", "0"],
-    ["--eval-every", "0"],
-    ["--save-every", "-1"],
-    ["--samples", "-1"],
-    ["--gradient-accumulation-steps", "0"],
-    ["--num-beams", "0"],
-    ["--num-beams", "100000"],
-    ["--encoder-layers", "0"],
-    ["--decoder-layers", "-1"],
-    ["--bleu-pairs", "0"],
-    ["--max-steps", "abc"],
-    ["--batch-size", "1.5"],
-    ["--no-such-flag"],
-    ["--config", "{yaml_missing}"],
-    ["--config", "{yaml_syntax}"],
-    ["--config", "{yaml_list}"],
-    ["--config", "{yaml_unknown}"],
-    ["--config", "{yaml_steps_word}"],
-    ["--config", "{yaml_bool_word}"],
-    ["--config", "{yaml_lr_word}"],
-    ["--config", "{yaml_float_steps}"],
-    ["--config", "{json_bad}"],
-    ["--tokenizer", "{missing_dir}"],
-    ["--tokenizer", "{emptydir}"],
-    ["--dataset", "{missing_dir}"],
+    (["--max-grad-norm", "-1"], "`max_grad_norm` must be a number > 0, got -1.0", None),
+    (["--max-grad-norm", "0"], "`max_grad_norm` must be a number > 0, got 0.0", None),
+    (["--max-grad-norm", "nan"], "`max_grad_norm` must be a number > 0, got nan", None),
+    (["--min-lr-ratio", "-0.1"], "`min_lr_ratio` must be a number >= 0 and <= 1, got -0.1", None),
+    (["--min-lr-ratio", "1.5"], "`min_lr_ratio` must be a number >= 0 and <= 1, got 1.5", None),
+    (["--weight-decay", "-0.1"], "`weight_decay` must be a number >= 0, got -0.1", None),
+    (["--warmup-steps", "-1"], "`warmup_steps` must be an integer >= 0, got -1", None),
+    (["--learning-rate", "0"], "`learning_rate` must be a number > 0, got 0.0", None),
+    (["--learning-rate", "-1"], "`learning_rate` must be a number > 0, got -1.0", None),
+    (["--learning-rate", "nan"], "`learning_rate` must be a number > 0, got nan", None),
+    (["--learning-rate", "inf"], "`learning_rate` must be a number > 0, got inf", None),
+    (["--dropout", "1.0"], "`dropout` must be a number >= 0 and < 1, got 1.0", None),
+    (["--dropout", "-0.1"], "`dropout` must be a number >= 0 and < 1, got -0.1", None),
+    (["--adam-beta1", "1.0"], "`adam_beta1` must be a number >= 0 and < 1, got 1.0", None),
+    (["--adam-beta2", "-0.1"], "`adam_beta2` must be a number >= 0 and < 1, got -0.1", None),
+    (["--batch-size", "0"], "`batch_size` must be an integer >= 1, got 0", None),
+    (["--max-steps", "0"], "`max_steps` must be an integer >= 1, got 0", None),
+    (["--context-length", "0"], "`max_position_embeddings` must be an integer >= 1, got 0", None),
+    (
+        ["--num-attention-heads", "4", "--hidden-size", "30"],
+        "`hidden_size` (30) must be divisible by `num_attention_heads` (4)",
+        LM,
+    ),
+    (["--num-attention-heads", "0"], "`num_attention_heads` must be an integer >= 1, got 0", LM),
+    (["--num-hidden-layers", "0"], "`num_hidden_layers` must be an integer >= 1, got 0", LM),
+    (["--intermediate-size", "0"], "`intermediate_size` must be an integer >= 1, got 0", None),
+    (["--vocab-size", "100"], "`vocab_size` must be an integer >= 262 and <= 1048576, got 100", None),
+    (["--vocab-size", "1000000000"], "`vocab_size` must be an integer >= 262 and <= 1048576, got 1000000000", None),
+    (["--validation-fraction", "0"], "`validation_fraction` must be a number > 0 and < 1, got 0.0", LM),
+    (["--validation-fraction", "1"], "`validation_fraction` must be a number > 0 and < 1, got 1.0", LM),
+    (["--label-smoothing", "1"], "`label_smoothing` must be a number >= 0 and < 1, got 1.0", MT),
+    (["--label-smoothing", "-0.1"], "`label_smoothing` must be a number >= 0 and < 1, got -0.1", MT),
+    (["--mixed-precision", "fp8"], "argument --mixed-precision/--mixed_precision: invalid choice: 'fp8'", None),
+    (["--report-to", "wandb"], "`report_to` wandb: the wandb package is not installed", None),
+    (["--lr-schedule", "linear"], "argument --lr-schedule/--lr_schedule: invalid choice: 'linear'", None),
+    (["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'", None),
+    (["--muon-learning-rate", "0"], "`muon_learning_rate` must be a number > 0, got 0.0", None),
+    (["--muon-learning-rate", "-1"], "`muon_learning_rate` must be a number > 0, got -1.0", None),
+    (["--muon-momentum", "1"], "`muon_momentum` must be a number >= 0 and < 1, got 1.0", None),
+    (["--decay-ratio", "0"], "`decay_ratio` must be a number > 0 and <= 1, got 0.0", None),
+    (["--decay-ratio", "1.5"], "`decay_ratio` must be a number > 0 and <= 1, got 1.5", None),
+    # the warmup and the decay are longer than the run
+    (["--lr-schedule", "wsd", "--decay-ratio", "0.95"], "--decay-ratio 0.95 of --max-steps", None),
+    (["--pad-vocab-size-to-multiple-of", "0"], "`pad_vocab_size_to_multiple_of` must be an integer >= 1, got 0", LM),
+    (["--pad-vocab-multiple", "-64"], "`pad_vocab_size_to_multiple_of` must be an integer >= 1, got -64", LM),
+    (
+        ["--pad-vocab-multiple", "1.5"],
+        "--pad-vocab-multiple/--pad_vocab_size_to_multiple_of/--pad_vocab_multiple: invalid int value: '1.5'",
+        LM,
+    ),
+    (
+        ["--loss-implementation", "fused"],
+        "argument --loss-implementation/--loss_implementation: invalid choice: 'fused'",
+        LM,
+    ),
+    (["--loss-chunk-size", "0"], "`loss_chunk_size` must be an integer >= 1, got 0", LM),
+    (["--loss-chunk-size", "-1"], "`loss_chunk_size` must be an integer >= 1, got -1", LM),
+    (["--hidden-act", "swishy"], "argument --hidden-act/--hidden_act: invalid choice: 'swishy'", None),
+    (["--preset", "huge"], "Unknown preset 'huge'; choose one of", None),
+    (["--seed", "-1"], "`seed` must be an integer >= 0 and <= 4294967295, got -1", None),
+    (["--seed", "4294967296"], "`seed` must be an integer >= 0 and <= 4294967295, got 4294967296", None),
+    (["--num-proc", "0"], "`num_proc` must be an integer >= 1, got 0", None),
+    (["--eval-batches", "0"], "`eval_batches` must be an integer >= 1, got 0", LM),
+    (["--keep-checkpoints", "0"], "`keep_checkpoints` must be an integer >= 1, got 0", None),
+    (["--log-every", "0"], "`log_every` must be an integer >= 1, got 0", None),
+    (["--eval-every", "0"], "`eval_every` must be an integer >= 1, got 0", None),
+    (["--save-every", "-1"], "`save_every` must be an integer >= 1, got -1", None),
+    (["--samples", "-1"], "`samples` must be an integer >= 0, got -1", None),
+    (["--gradient-accumulation-steps", "0"], "`gradient_accumulation_steps` must be an integer >= 1, got 0", None),
+    (["--num-beams", "0"], "`num_beams` must be an integer >= 1 and <= 64, got 0", MT),
+    (["--num-beams", "100000"], "`num_beams` must be an integer >= 1 and <= 64, got 100000", MT),
+    (["--encoder-layers", "0"], "`encoder_layers` must be an integer >= 1, got 0", MT),
+    (["--decoder-layers", "-1"], "`decoder_layers` must be an integer >= 1, got -1", MT),
+    (["--bleu-pairs", "0"], "`bleu_pairs` must be an integer >= 1, got 0", MT),
+    (["--max-steps", "abc"], "argument --max-steps/--max_steps: invalid int value: 'abc'", None),
+    (["--batch-size", "1.5"], "argument --batch-size/--batch_size: invalid int value: '1.5'", None),
+    (["--no-such-flag"], UNKNOWN + "--no-such-flag", None),
+    (["--config", "{yaml_missing}"], "No such config file: {yaml_missing}", None),
+    (["--config", "{yaml_syntax}"], "{yaml_syntax}: not valid YAML", None),
+    (["--config", "{yaml_list}"], "{yaml_list}: expected a mapping of argument names to values", None),
+    (["--config", "{yaml_unknown}"], "{yaml_unknown}: unknown training arguments ['max_stepz']", None),
+    (["--config", "{yaml_steps_word}"], "{yaml_steps_word}: `max_steps` must be an integer, got 'many'", None),
+    (["--config", "{yaml_bool_word}"], "{yaml_bool_word}: `pre_norm` must be true or false, got 'maybe'", None),
+    (["--config", "{yaml_lr_word}"], "{yaml_lr_word}: `learning_rate` must be a number, got 'fast'", None),
+    (["--config", "{yaml_float_steps}"], "{yaml_float_steps}: `max_steps` must be an integer, got 2.5", None),
+    (["--config", "{json_bad}"], "{json_bad}: not valid JSON", None),
+    (["--tokenizer", "{missing_dir}"], "--tokenizer {missing_dir}: no such folder", None),
+    (["--tokenizer", "{emptydir}"], "No tokenizer.json in {emptydir}", None),
+    (["--dataset", "{missing_dir}"], "Pass either `files` or `dataset`, not both", None),  # beside the rows' --files
 ]
-TRAIN_LM_CASES = [["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags] for flags in TRAIN_FLAGS]
+
+
+def train_rows(task: str, head: list[str]) -> list[tuple[list[str], str]]:
+    """TRAIN_FLAGS for one task after `head`: a flag of the other task alone is refused as unknown, naming it."""
+    return [
+        ([*head, *flags], names if only in (None, task) else UNKNOWN + " ".join(flags[:2]))
+        for flags, names, only in TRAIN_FLAGS
+        if task == LM or flags[0] not in ("--files", "--max-steps")  # keep the table's size sensible
+    ]
+
+
+TRAIN_LM_CASES = train_rows(LM, ["train", "lm", "--files", "{corpus}", "--output-dir", OUT])
 TRAIN_LM_CASES += [
-    ["train", "lm", "--output-dir", OUT, "--files", name, *TINY_LM]
-    for name in ("{missing}", "{empty}", "{blank}", "{latin1}", "{nocol}", "{emptydir}", "{badjson}")
+    (["train", "lm", "--output-dir", OUT, "--files", name, *TINY_LM], names)
+    for name, names in [
+        ("{missing}", "No such file or folder: {missing}"),
+        ("{empty}", "The corpus is empty ({empty}: no document has any text)"),
+        ("{blank}", "The corpus is empty ({blank}: no document has any text)"),
+        ("{latin1}", "{latin1}: not valid UTF-8 at byte 2"),
+        ("{nocol}", "{nocol}: no column 'text'; the columns are ['body']"),
+        ("{emptydir}", "No .txt/.jsonl/.json/.csv/.parquet files found in {emptydir}"),
+        ("{badjson}", "{badjson}: cannot be read as json"),
+    ]
 ]
 TRAIN_LM_CASES += [
-    ["train", "lm", "--files", "{corpus}", "--output-dir", "{a_file}", *TINY_LM],
-    ["train", "lm", "--files", "{corpus}", "--max-documents", "0", "--output-dir", OUT],
+    (
+        ["train", "lm", "--dataset", "{missing_dir}", "--output-dir", OUT, *TINY_LM],
+        "No such dataset folder: {missing_dir}",
+    ),
+    (
+        ["train", "lm", "--files", "{corpus}", "--output-dir", "{a_file}", *TINY_LM],
+        "--output-dir {a_file} exists and is not a folder",
+    ),
+    (
+        ["train", "lm", "--files", "{corpus}", "--max-documents", "0", "--output-dir", OUT],
+        "`max_documents` must be an integer >= 1, got 0",
+    ),
 ]
-TRAIN_MT_CASES = [
-    ["train", "translation", "--files", "{pairs}", "--output-dir", OUT, *flags]
-    for flags in TRAIN_FLAGS
-    if flags[0] not in ("--files", "--max-steps")  # keep the table's size sensible
+TRAIN_MT_CASES = train_rows(MT, ["train", "translation", "--files", "{pairs}", "--output-dir", OUT])
+TRAIN_MT_CASES += [
+    (["train", "translation", "--output-dir", OUT, "--files", name, *TINY_MT], names)
+    for name, names in [
+        ("{missing}", "No such file or folder: {missing}"),
+        ("{empty_tsv}", "No pairs with text on both sides in local: 1 file(s) {empty_tsv}"),
+        ("{onecol}", "{onecol}:1: expected 'source<TAB>target', found 1 tab-separated field(s)"),
+        ("{latin1_tsv}", "{latin1_tsv}: not valid UTF-8 at byte 8"),
+        ("{emptydir}", "{emptydir}: parallel data must be .tsv (source<TAB>target), .jsonl or .json"),
+    ]
 ]
 TRAIN_MT_CASES += [
-    ["train", "translation", "--output-dir", OUT, "--files", name, *TINY_MT]
-    for name in ("{missing}", "{empty_tsv}", "{onecol}", "{latin1_tsv}", "{emptydir}")
+    (
+        ["train", "translation", "--dataset", "{missing_dir}", "--output-dir", OUT, *TINY_MT],
+        "No such dataset folder: {missing_dir}",
+    ),
 ]
-# The speedrun's model switches (issue 48): the decoder's alone (the translation model has no such flag, nor relu2),
-# each bad value refused in one line naming its flag or field (FLAG_CASES below)
+# The speedrun's model switches (issue 48): the decoder's alone (the translation model has no such flag, nor relu2)
 SPEEDRUN_MODEL_FLAGS = [
-    (["--final-logit-softcapping", "0"], "`final_logit_softcapping`"),
-    (["--final-logit-softcapping", "-1"], "`final_logit_softcapping`"),
-    (["--final-logit-softcapping", "nan"], "`final_logit_softcapping`"),
-    (["--final-logit-softcapping", "high"], "--final-logit-softcapping"),
-    (["--hidden-act", "relu3"], "--hidden-act"),
-    (["--qk-norm", "maybe"], "--qk-norm"),
-    (["--no-tie-word-embeddings", "--tie-word-embeddings", "perhaps"], "--tie-word-embeddings"),
+    (["--final-logit-softcapping", "0"], "`final_logit_softcapping` must be a number > 0, got 0.0"),
+    (["--final-logit-softcapping", "-1"], "`final_logit_softcapping` must be a number > 0, got -1.0"),
+    (["--final-logit-softcapping", "nan"], "`final_logit_softcapping` must be a number > 0, got nan"),
+    (
+        ["--final-logit-softcapping", "high"],
+        "argument --final-logit-softcapping/--final_logit_softcapping: invalid float value: 'high'",
+    ),
+    (["--hidden-act", "relu3"], "argument --hidden-act/--hidden_act: invalid choice: 'relu3'"),
+    (["--qk-norm", "maybe"], "argument --qk-norm/--qk_norm: Truthy value expected: got maybe"),
+    (
+        ["--no-tie-word-embeddings", "--tie-word-embeddings", "perhaps"],
+        "argument --tie-word-embeddings/--tie_word_embeddings: Truthy value expected: got perhaps",
+    ),
 ]
 TRAIN_LM_CASES += [
-    ["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags] for flags, _ in SPEEDRUN_MODEL_FLAGS
+    (["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags], names)
+    for flags, names in SPEEDRUN_MODEL_FLAGS
 ]
 TRAIN_MT_CASES += [
-    ["train", "translation", "--files", "{pairs}", "--output-dir", OUT, *flags]
-    for flags in (["--hidden-act", "relu2"], ["--qk-norm"], ["--final-logit-softcapping", "30"])
+    (["train", "translation", "--files", "{pairs}", "--output-dir", OUT, *flags], names)
+    for flags, names in [
+        (["--hidden-act", "relu2"], "argument --hidden-act/--hidden_act: invalid choice: 'relu2'"),
+        (["--qk-norm"], UNKNOWN + "--qk-norm"),
+        (["--final-logit-softcapping", "30"], UNKNOWN + "--final-logit-softcapping 30"),
+    ]
 ]
 
 GENERATE_CASES = [
-    ["generate", "{missing_dir}", "hello"],
-    ["generate", "{emptydir}", "hello"],
-    ["generate", "{a_file}", "hello"],
-    ["generate", "{mt}", "hello"],
-    ["generate", "{lm_bad_config}", "hello"],
-    ["generate", "{lm_alien_type}", "hello"],
-    ["generate", "{lm_truncated}", "hello"],
-    ["generate", "{lm_no_weights}", "hello"],
-    ["generate", "{lm}", "hello", "--num-beams", "0"],
-    ["generate", "{lm}", "hello", "--num-beams", "-1"],
-    ["generate", "{lm}", "hello", "--max-new-tokens", "0"],
-    ["generate", "{lm}", "hello", "--max-new-tokens", "-5"],
-    ["generate", "{lm}", "hello", "--temperature", "-1"],
-    ["generate", "{lm}", "hello", "--temperature", "nan"],
-    ["generate", "{lm}", "hello", "--temperature", "abc"],
-    ["generate", "{lm}", "hello", "--top-k", "-1"],
-    ["generate", "{lm}", "hello", "--top-p", "0"],
-    ["generate", "{lm}", "hello", "--top-p", "1.5"],
-    ["generate", "{lm}", "hello", "--repetition-penalty", "0"],
-    ["generate", "{lm}", "hello", "--repetition-penalty", "-1"],
-    ["generate", "{lm}", "hello", "--presence-penalty", "nan"],
-    ["generate", "{lm}", "hello", "--seed", "-1"],
-    ["generate", "{lm}", "hello", "--seed", "4294967296"],
-    ["generate", "{lm}", "hello", "--num-beams", "100000"],
-    ["generate", "{lm}", "hello", "--num-beams", "65"],
-    ["generate", "{lm}", "{long_prompt}"],
-    ["generate", "{lm}"],
+    (["generate", "{missing_dir}", "hello"], "argument folder: {missing_dir}: no such model folder"),
+    (["generate", "{emptydir}", "hello"], "argument folder: {emptydir} is not a model folder: it has no config.json"),
+    (["generate", "{a_file}", "hello"], "argument folder: {a_file}: no such model folder"),
+    (["generate", "{mt}", "hello"], "{mt} holds a translation model; this command needs a language model"),
+    (["generate", "{lm_bad_config}", "hello"], "{lm_bad_config}/config.json is not valid JSON"),
+    (["generate", "{lm_alien_type}", "hello"], "{lm_alien_type} holds a 'not_deriv_at_all' model, not a Deriv one"),
+    (["generate", "{lm_truncated}", "hello"], "{lm_truncated}/model.safetensors: not a whole safetensors file"),
+    (["generate", "{lm_no_weights}", "hello"], "{lm_no_weights} has no model.safetensors"),
+    (
+        ["generate", "{lm}", "hello", "--num-beams", "0"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '0'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--num-beams", "-1"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '-1'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--max-new-tokens", "0"],
+        "argument --max-new-tokens: must be an integer >= 1, got '0'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--max-new-tokens", "-5"],
+        "argument --max-new-tokens: must be an integer >= 1, got '-5'",
+    ),
+    (["generate", "{lm}", "hello", "--temperature", "-1"], "argument --temperature: must be a number >= 0, got '-1'"),
+    (
+        ["generate", "{lm}", "hello", "--temperature", "nan"],
+        "argument --temperature: must be a number >= 0, got 'nan'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--temperature", "abc"],
+        "argument --temperature: must be a number >= 0, got 'abc'",
+    ),
+    (["generate", "{lm}", "hello", "--top-k", "-1"], "argument --top-k: must be an integer >= 0, got '-1'"),
+    (["generate", "{lm}", "hello", "--top-p", "0"], "argument --top-p: must be a number > 0 and <= 1, got '0'"),
+    (["generate", "{lm}", "hello", "--top-p", "1.5"], "argument --top-p: must be a number > 0 and <= 1, got '1.5'"),
+    (
+        ["generate", "{lm}", "hello", "--repetition-penalty", "0"],
+        "argument --repetition-penalty: must be a number > 0, got '0'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--repetition-penalty", "-1"],
+        "argument --repetition-penalty: must be a number > 0, got '-1'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--presence-penalty", "nan"],
+        "argument --presence-penalty: must be a number >= -2.0 and <= 2.0, got 'nan'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--seed", "-1"],
+        "argument --seed: must be an integer >= 0 and <= 4294967295, got '-1'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--seed", "4294967296"],
+        "argument --seed: must be an integer >= 0 and <= 4294967295, got '4294967296'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--num-beams", "100000"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '100000'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--num-beams", "65"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '65'",
+    ),
+    (
+        ["generate", "{lm}", "{long_prompt}"],
+        "The prompt is 800 tokens; the model reads at most 32 (max_position_embeddings)",
+    ),
+    (["generate", "{lm}"], "the following arguments are required: prompt"),
 ]
 TRANSLATE_CASES = [
-    ["translate", "{missing_dir}", "hello"],
-    ["translate", "{lm}", "hello"],
-    ["translate", "{emptydir}", "hello"],
-    ["translate", "{mt}", "hello", "--num-beams", "0"],
-    ["translate", "{mt}", "hello", "--num-return-sequences", "0"],
-    ["translate", "{mt}", "hello", "--num-beams", "100000"],
-    ["translate", "{mt}", "hello", "--num-return-sequences", "100000"],
-    ["translate", "{mt}", "hello", "--num-return-sequences", "3", "--num-beams", "2"],
-    ["translate", "{mt}", "hello", "--max-new-tokens", "0"],
-    ["translate", "{mt}", "hello", "--length-penalty", "nan"],
-    ["translate", "{mt}", ""],
-    ["translate", "{mt}", "{long_prompt}"],
+    (["translate", "{missing_dir}", "hello"], "argument folder: {missing_dir}: no such model folder"),
+    (["translate", "{lm}", "hello"], "{lm} holds a language model; this command needs a translation model"),
+    (["translate", "{emptydir}", "hello"], "argument folder: {emptydir} is not a model folder: it has no config.json"),
+    (
+        ["translate", "{mt}", "hello", "--num-beams", "0"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '0'",
+    ),
+    (
+        ["translate", "{mt}", "hello", "--num-return-sequences", "0"],
+        "argument --num-return-sequences: must be an integer >= 1 and <= 64, got '0'",
+    ),
+    (
+        ["translate", "{mt}", "hello", "--num-beams", "100000"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '100000'",
+    ),
+    (
+        ["translate", "{mt}", "hello", "--num-return-sequences", "100000"],
+        "argument --num-return-sequences: must be an integer >= 1 and <= 64, got '100000'",
+    ),
+    (
+        ["translate", "{mt}", "hello", "--num-return-sequences", "3", "--num-beams", "2"],
+        "--num-return-sequences 3 needs at least as many beams (--num-beams 3), not 2",
+    ),
+    (
+        ["translate", "{mt}", "hello", "--max-new-tokens", "0"],
+        "argument --max-new-tokens: must be an integer >= 1, got '0'",
+    ),
+    (
+        ["translate", "{mt}", "hello", "--length-penalty", "nan"],
+        "argument --length-penalty: must be a number, got 'nan'",
+    ),
+    (["translate", "{mt}", ""], "Sentence 1 is empty: there is nothing to translate"),
+    (["translate", "{mt}", "{long_prompt}"], "Sentence 1 is 1000 tokens; the model reads at most 24"),
 ]
 EVAL_CASES = [
-    ["eval", "{missing_dir}"],
-    ["eval", "{emptydir}"],
-    ["eval", "{lm}", "--files", "{corpus}", "--stride", "0"],
-    ["eval", "{lm}", "--files", "{corpus}", "--stride", "-1"],
-    ["eval", "{lm}", "--files", "{corpus}", "--stride", "1000"],
-    ["eval", "{lm}", "--files", "{corpus}", "--max-tokens", "0"],
-    ["eval", "{lm}", "--files", "{corpus}", "--max-tokens", "1"],
-    ["eval", "{lm}", "--files", "{missing}"],
-    ["eval", "{lm}", "--files", "{empty}"],
-    ["eval", "{lm}", "--files", "{latin1}"],
-    ["eval", "{lm}", "--files", "{nocol}"],
-    ["eval", "{mt}", "--files", "{pairs}", "--num-beams", "0"],
-    ["eval", "{mt}", "--files", "{pairs}", "--num-beams", "100000"],
-    ["eval", "{mt}", "--files", "{pairs}", "--max-pairs", "0"],
-    ["eval", "{mt}", "--files", "{onecol}"],
-    ["eval", "{mt}", "--files", "{missing}"],
+    (["eval", "{missing_dir}"], "argument folder: {missing_dir}: no such model folder"),
+    (["eval", "{emptydir}"], "argument folder: {emptydir} is not a model folder: it has no config.json"),
+    (["eval", "{lm}", "--files", "{corpus}", "--stride", "0"], "argument --stride: must be an integer >= 1, got '0'"),
+    (
+        ["eval", "{lm}", "--files", "{corpus}", "--stride", "-1"],
+        "argument --stride: must be an integer >= 1, got '-1'",
+    ),
+    (
+        ["eval", "{lm}", "--files", "{corpus}", "--stride", "1000"],
+        "--stride 1000 is longer than the model's window of 32 tokens",
+    ),
+    (
+        ["eval", "{lm}", "--files", "{corpus}", "--max-tokens", "0"],
+        "argument --max-tokens: must be an integer >= 2, got '0'",
+    ),
+    (
+        ["eval", "{lm}", "--files", "{corpus}", "--max-tokens", "1"],
+        "argument --max-tokens: must be an integer >= 2, got '1'",
+    ),
+    (["eval", "{lm}", "--files", "{missing}"], "No such file or folder: {missing}"),
+    (
+        ["eval", "{lm}", "--files", "{empty}"],
+        "{empty}, split into documents at blank lines (as given, not split) gives 0 token(s)",
+    ),
+    (["eval", "{lm}", "--files", "{latin1}"], "{latin1}: not valid UTF-8 at byte 2"),
+    (["eval", "{lm}", "--files", "{nocol}"], "{nocol}: no column 'text'; the columns are ['body']"),
+    (
+        ["eval", "{mt}", "--files", "{pairs}", "--num-beams", "0"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '0'",
+    ),
+    (
+        ["eval", "{mt}", "--files", "{pairs}", "--num-beams", "100000"],
+        "argument --num-beams: must be an integer >= 1 and <= 64, got '100000'",
+    ),
+    (
+        ["eval", "{mt}", "--files", "{pairs}", "--max-pairs", "0"],
+        "argument --max-pairs: must be an integer >= 1, got '0'",
+    ),
+    (
+        ["eval", "{mt}", "--files", "{onecol}"],
+        "{onecol}:1: expected 'source<TAB>target', found 1 tab-separated field(s)",
+    ),
+    (["eval", "{mt}", "--files", "{missing}"], "No such file: {missing}"),
 ]
+# `push` names the repository it would upload to; every row but the one without --repo-id gives one, so that the
+# folder's fault is what the line names
 HUB_CASES = [
-    ["card", "{missing_dir}"],
-    ["card", "{emptydir}"],
-    ["card", "{a_file}"],
-    ["push", "{missing_dir}", "--dry-run"],
-    ["push", "{emptydir}", "--dry-run"],
-    ["push", "{lm_no_weights}", "--dry-run"],
-    ["push", "{lm_truncated}", "--dry-run"],
-    ["push", "{lm}", "--dry-run", "--repo-id", "bad id!!"],
-    ["push", "{lm}", "--dry-run", "--repo-id", "../../etc"],
-    ["check", "{missing_dir}"],
-    ["check", "{emptydir}"],
-    ["check", "{lm_truncated}"],
-    ["check", "{lm_no_weights}"],
+    (["card", "{missing_dir}"], "argument folder: No such folder: {missing_dir}"),
+    (["card", "{emptydir}"], "{emptydir} is not a model folder: it has no config.json"),
+    (["card", "{a_file}"], "argument folder: No such folder: {a_file}"),
+    (
+        ["push", "{missing_dir}", "--dry-run", "--repo-id", "me/model"],
+        "argument folder: No such folder: {missing_dir}",
+    ),
+    (
+        ["push", "{emptydir}", "--dry-run", "--repo-id", "me/model"],
+        "{emptydir} is not a model folder: it has no config.json",
+    ),
+    (["push", "{lm}", "--dry-run"], "the following arguments are required: --repo-id"),
+    (
+        ["push", "{lm_truncated}", "--dry-run", "--repo-id", "me/model"],
+        "{lm_truncated}/model.safetensors: not a whole safetensors file",
+    ),
+    (
+        ["push", "{lm}", "--dry-run", "--repo-id", "bad id!!"],
+        "'bad id!!' is not a valid repo id (expected NAME or OWNER/NAME)",
+    ),
+    (
+        ["push", "{lm}", "--dry-run", "--repo-id", "../../etc"],
+        "'../../etc' is not a valid repo id (expected NAME or OWNER/NAME)",
+    ),
+    (["check", "{missing_dir}"], "argument folder: No such folder: {missing_dir}"),
+    (["check", "{emptydir}"], "{emptydir} is not a model folder: it has no config.json"),
+    (["check", "{lm_truncated}"], "{lm_truncated}/model.safetensors: not a whole safetensors file"),
+    (["check", "{lm_no_weights}"], "{lm_no_weights}: model.safetensors is missing, so there is no model to check"),
 ]
 VIZ_CASES = [
-    ["attention", "{missing_dir}", "hello", "--out", OUT],
-    ["attention", "{emptydir}", "hello", "--out", OUT],
-    ["attention", "{lm}", "hello", "--layers", "99", "--out", OUT],
-    ["attention", "{lm}", "hello", "--heads", "99", "--out", OUT],
-    ["attention", "{lm}", "hello", "--layers", "-1", "--out", OUT],
-    ["attention", "{lm}", "", "--out", OUT],
-    ["attention", "{lm}", "hello", "--kind", "bogus", "--out", OUT],
-    ["attention", "{lm}", "{long_prompt}", "--out", OUT],
-    ["attention", "{lm_alien_type}", "hello", "--out", OUT],
-    ["picture", "positions", "--positions", "0", "--out", OUT],
-    ["picture", "positions", "--dim", "0", "--out", OUT],
-    ["picture", "positions", "--dim", "3", "--out", OUT],
-    ["picture", "positions", "--positions", "1000000000", "--out", OUT],
-    ["picture", "positions", "--positions", "4097", "--out", OUT],
-    ["picture", "positions", "--dim", "1000000000", "--out", OUT],
-    ["picture", "kv-memory", "--positions", "999", "--out", OUT],
-    ["picture", "kv-memory", "--batches", "100000000", "--out", OUT],
-    ["picture", "kv-memory", "--context", "1000000000", "--positions", "16", "--out", OUT],
-    ["picture", "tokens", "{missing_dir}", "hello", "--out", OUT],
-    ["picture", "tokens", "{tok}", "", "--out", OUT],
-    ["picture", "temperature", "{lm}", "hello", "--temperatures", "1.0", "--out", OUT],
-    ["picture", "temperature", "{lm}", "hello", "--temperatures", "-1", "1", "--out", OUT],
-    ["picture", "temperature", "{lm}", "hello", "--top-k", "-1", "--out", OUT],
-    ["picture", "temperature", "{lm}", "hello", "--top-p", "2", "--out", OUT],
-    ["picture", "temperature", "{missing_dir}", "hello", "--out", OUT],
-    ["picture", "curves", "{missing_dir}", "--out", OUT],
-    ["picture", "curves", "{emptydir}", "--out", OUT],
+    (["attention", "{missing_dir}", "hello", "--out", OUT], "argument folder: {missing_dir}: no such model folder"),
+    (
+        ["attention", "{emptydir}", "hello", "--out", OUT],
+        "argument folder: {emptydir} is not a model folder: it has no config.json",
+    ),
+    (
+        ["attention", "{lm}", "hello", "--layers", "99", "--out", OUT],
+        "layer 99 is out of range: the model has 1 layers (0 to 0)",
+    ),
+    (
+        ["attention", "{lm}", "hello", "--heads", "99", "--out", OUT],
+        "head 99 is out of range: the model has 2 heads (0 to 1)",
+    ),
+    (
+        ["attention", "{lm}", "hello", "--layers", "-1", "--out", OUT],
+        "argument --layers: must be an integer >= 0, got '-1'",
+    ),
+    (["attention", "{lm}", "", "--out", OUT], "The text is empty"),
+    (["attention", "{lm}", "hello", "--kind", "bogus", "--out", OUT], "argument --kind: invalid choice: 'bogus'"),
+    (["attention", "{lm}", "{long_prompt}", "--out", OUT], "The text is 800 tokens long; the model reads at most 32"),
+    (
+        ["attention", "{lm_alien_type}", "hello", "--out", OUT],
+        "{lm_alien_type} holds a 'not_deriv_at_all' model, not a Deriv one",
+    ),
+    (
+        ["picture", "positions", "--positions", "0", "--out", OUT],
+        "argument --positions: must be an integer >= 1 and <= 4096, got '0'",
+    ),
+    (
+        ["picture", "positions", "--dim", "0", "--out", OUT],
+        "argument --dim: must be an integer >= 2 and <= 4096, got '0'",
+    ),
+    (
+        ["picture", "positions", "--dim", "3", "--out", OUT],
+        "--dim 3: the sinusoidal table pairs a sine and a cosine, so it must be even",
+    ),
+    (
+        ["picture", "positions", "--positions", "1000000000", "--out", OUT],
+        "argument --positions: must be an integer >= 1 and <= 4096, got '1000000000'",
+    ),
+    (
+        ["picture", "positions", "--positions", "4097", "--out", OUT],
+        "argument --positions: must be an integer >= 1 and <= 4096, got '4097'",
+    ),
+    (
+        ["picture", "positions", "--dim", "1000000000", "--out", OUT],
+        "argument --dim: must be an integer >= 2 and <= 4096, got '1000000000'",
+    ),
+    (["picture", "kv-memory", "--positions", "999", "--out", OUT], "--positions 999: past the models' --context 256"),
+    (
+        ["picture", "kv-memory", "--batches", "100000000", "--out", OUT],
+        "--batches 100000000: the static KV cache at --context 256 would take",
+    ),
+    (
+        ["picture", "kv-memory", "--context", "1000000000", "--positions", "16", "--out", OUT],
+        "argument --context: must be an integer >= 2 and <= 131072, got '1000000000'",
+    ),
+    (["picture", "tokens", "{missing_dir}", "hello", "--out", OUT], "argument folder: No such folder: {missing_dir}"),
+    (["picture", "tokens", "{tok}", "", "--out", OUT], "The text is empty"),
+    (
+        ["picture", "temperature", "{lm}", "hello", "--temperatures", "1.0", "--out", OUT],
+        "--temperatures needs two or more values",
+    ),
+    (
+        ["picture", "temperature", "{lm}", "hello", "--temperatures", "-1", "1", "--out", OUT],
+        "argument --temperatures: must be a number > 0, got '-1'",
+    ),
+    (
+        ["picture", "temperature", "{lm}", "hello", "--top-k", "-1", "--out", OUT],
+        "argument --top-k: must be an integer >= 1, got '-1'",
+    ),
+    (
+        ["picture", "temperature", "{lm}", "hello", "--top-p", "2", "--out", OUT],
+        "argument --top-p: must be a number > 0 and <= 1, got '2'",
+    ),
+    (
+        ["picture", "temperature", "{missing_dir}", "hello", "--out", OUT],
+        "argument folder: {missing_dir}: no such model folder",
+    ),
+    (["picture", "curves", "{missing_dir}", "--out", OUT], "{missing_dir} has no metrics.jsonl"),
+    (
+        ["picture", "curves", "{emptydir}", "--out", OUT],
+        "{emptydir} has no metrics.jsonl: it was not written by `deriv train`",
+    ),
 ]
 BENCH_CASES = [
-    ["bench", "--layers", "0"],
-    ["bench", "--hidden", "30", "--heads", "4"],
-    ["bench", "--gen-batches", "0"],
-    ["bench", "--threads", "0"],
-    ["bench", "--new-tokens", "0"],
-    ["bench", "--context", "0"],
-    ["bench", "--json", "{missing_dir}/sub/out.json"],
-    ["bench-seq2seq", "--beams", "0"],
-    ["bench-seq2seq", "--batch", "0"],
-    ["bench-seq2seq", "--heads", "5"],
-    ["bench-tokenizer", "--vocab-size", "100"],
-    ["bench-tokenizer", "--slice-mb", "0"],
-    ["bench-tokenizer", "--repeats", "0"],
-    ["bench-training", "--presets", "huge"],
-    ["bench-training", "--steps", "0"],
-    ["bench", "inference", "--new-tokens", "1"],
-    ["bench", "inference", "--kv-positions", "999"],
-    ["bench", "inference", "--prompt", "200", "--new-tokens", "100"],
-    ["bench", "inference", "--paths", "eager"],
+    (["bench", "decoder", "--layers", "0"], "argument --layers: must be an integer >= 1 and <= 512, got '0'"),
+    (
+        ["bench", "decoder", "--hidden", "30", "--heads", "4"],
+        "--hidden 30 --heads 4: `hidden_size` (30) must be divisible by `num_attention_heads` (4)",
+    ),
+    (["bench", "decoder", "--gen-batches", "0"], "argument --gen-batches: must be an integer >= 1, got '0'"),
+    (["bench", "decoder", "--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),
+    (["bench", "decoder", "--new-tokens", "0"], "argument --new-tokens: must be an integer >= 1, got '0'"),
+    (["bench", "decoder", "--context", "0"], "argument --context: must be an integer >= 2 and <= 131072, got '0'"),
+    (
+        ["bench", "decoder", "--json", "{missing_dir}/sub/out.json"],
+        "--json {missing_dir}/sub/out.json: the folder {missing_dir}/sub does not exist",
+    ),
+    (["bench-seq2seq", "--beams", "0"], "argument --beams: must be an integer >= 1, got '0'"),
+    (["bench-seq2seq", "--batch", "0"], "argument --batch: must be an integer >= 1, got '0'"),
+    (
+        ["bench-seq2seq", "--heads", "5"],
+        "--heads 5 --ffn 1536: `hidden_size` (384) must be divisible by `encoder_attention_heads` (5)",
+    ),
+    (["bench-tokenizer", "--vocab-size", "100"], "argument --vocab-size: must be an integer >= 262, got '100'"),
+    (["bench-tokenizer", "--slice-mb", "0"], "argument --slice-mb: must be a number > 0, got '0'"),
+    (["bench-tokenizer", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
+    (["bench-training", "--presets", "huge"], "argument --presets: invalid choice: 'huge'"),
+    (["bench-training", "--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
+    (["bench", "inference", "--new-tokens", "1"], "argument --new-tokens: must be an integer >= 2, got '1'"),
+    (["bench", "inference", "--kv-positions", "999"], "--kv-positions 999: the models' context is 256"),
+    (
+        ["bench", "inference", "--prompt", "200", "--new-tokens", "100"],
+        "--prompt + --new-tokens = 300: past --context 256",
+    ),
+    (["bench", "inference", "--paths", "eager"], "argument --paths: invalid choice: 'eager'"),
     # the device and the GPU check (issue 42)
-    ["bench", "decoder", "--device", "tpu"],
-    ["bench", "gpu", "--device", "tpu"],
-    ["bench", "inference", "--dtype", "fp8"],
-    ["bench", "serving", "--dtype", "half", "--no-server"],
-    ["bench", "training", "--dtype", "int4"],
-    ["bench", "inference", "--compile-backend", "tvm"],
-    ["bench", "gpu", "--json", "{emptydir}"],
-    ["bench", "gpu", "--json", "{missing_dir}/sub/gpu.json"],
-    ["bench", "gpu", "--dry-run", "--device", "cuda"],
-    ["bench", "training", "--peer", "--batch", "0"],
-    ["bench", "training", "--peer", "--batch", "100000"],
-    ["bench", "training", "--peer", "--context", "1"],
-    ["bench", "training", "--peer", "--context", "1000000"],
-    ["bench", "training", "--peer", "--layers", "0"],
-    ["bench", "training", "--peer", "--layers", "100000"],
-    ["bench", "training", "--peer", "--steps", "0"],
-    ["bench", "training", "--peer", "--presets", "gpt2-1b"],
-    ["bench", "training", "--peer", "--compile-backend", "tvm"],
-    ["bench", "training", "--peer", "--scaling"],
+    (["bench", "decoder", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["bench", "gpu", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["bench", "inference", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["bench", "serving", "--dtype", "half", "--no-server"], "argument --dtype: invalid choice: 'half'"),
+    (["bench", "training", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+    (["bench", "inference", "--compile-backend", "tvm"], "argument --compile-backend: invalid choice: 'tvm'"),
+    (["bench", "gpu", "--json", "{emptydir}"], "--json {emptydir} is a folder; give the file to write"),
+    (
+        ["bench", "gpu", "--json", "{missing_dir}/sub/gpu.json"],
+        "--json {missing_dir}/sub/gpu.json: the folder {missing_dir}/sub does not exist",
+    ),
+    (["bench", "gpu", "--dry-run", "--device", "cuda"], "--dry-run runs on the CPU; leave out --device cuda"),
+    (
+        ["bench", "training", "--peer", "--batch", "0"],
+        "argument --batch: must be an integer >= 1 and <= 4096, got '0'",
+    ),
+    (
+        ["bench", "training", "--peer", "--batch", "100000"],
+        "argument --batch: must be an integer >= 1 and <= 4096, got '100000'",
+    ),
+    (
+        ["bench", "training", "--peer", "--context", "1"],
+        "argument --context: must be an integer >= 2 and <= 131072, got '1'",
+    ),
+    (
+        ["bench", "training", "--peer", "--context", "1000000"],
+        "argument --context: must be an integer >= 2 and <= 131072, got '1000000'",
+    ),
+    (
+        ["bench", "training", "--peer", "--layers", "0"],
+        "argument --layers: must be an integer >= 1 and <= 512, got '0'",
+    ),
+    (
+        ["bench", "training", "--peer", "--layers", "100000"],
+        "argument --layers: must be an integer >= 1 and <= 512, got '100000'",
+    ),
+    (["bench", "training", "--peer", "--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
+    (["bench", "training", "--peer", "--presets", "gpt2-1b"], "argument --presets: invalid choice: 'gpt2-1b'"),
+    (["bench", "training", "--peer", "--compile-backend", "tvm"], "argument --compile-backend: invalid choice: 'tvm'"),
+    (["bench", "training", "--peer", "--scaling"], "--peer times the steps of models it builds itself; --scaling"),
 ]
 # `--device cuda` where torch sees no GPU (CI's machines; on one with a GPU these would run, so they are left out)
 NO_CUDA_CASES = [
-    ["bench", kind, "--device", "cuda", *extra]
+    (["bench", kind, "--device", "cuda", *extra], "sees no CUDA device; use --device cpu (or auto)")
     for kind, extra in [("decoder", []), ("inference", []), ("serving", ["--no-server"]), ("training", [])]
     + [("training", ["--peer"]), ("training", ["--scaling"]), ("gpu", [])]
 ]
-TOP_CASES = [[], ["bogus"], ["train"], ["tokenizer"], ["picture"]]
+TOP_CASES = [
+    ([], "the following arguments are required: COMMAND"),
+    (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
+    (["train"], "the following arguments are required: task"),
+    (["tokenizer"], "the following arguments are required: tokenizer_command"),
+    (["picture"], "the following arguments are required: picture"),
+]
 
 # What a hostile user found accepted or answered with a traceback: each now one line, before any work.
 FOUND_CASES = [
-    ["generate", "{lm_binary_config}", "hello"],
-    ["generate", "{lm}", "hello", "--frequency-penalty", "1e9"],
-    ["generate", "{lm}", "hello", "--presence-penalty", "-2.5"],
-    ["chat", "{lm}", "--frequency-penalty", "3"],
-    ["serve", "{lm}", "--served-model-name", ""],
-    ["serve", "{lm}", "--served-model-name", "/etc/passwd"],
-    ["serve", "{lm}", "--cb-num-blocks", "4"],
-    ["serve", "{lm}", "--cb-max-batch-tokens", "64"],
-    ["bench", "runtimes", "--vocab", "1"],
-    ["bench", "runtimes", "--vocab", "100"],
-    ["bench", "runtimes", "--context", "1000000000"],
-    ["bench", "decoder", "--layers", "100000"],
-    ["bench", "ablation", "--plot", "{emptydir}", "--output-dir", OUT],
-    ["bench", "ablation", "--json", "{emptydir}", "--output-dir", OUT],
-    ["bench", "decoder", "--json", "{emptydir}"],
-    ["import", "{gpt2_odd_heads}", "--out", OUT],
-    ["import", "{gpt2_no_tokenizer}", "--out", OUT],
-    ["picture", "curves", "{lm_empty_metrics}", "--out", OUT + ".png"],
-    ["picture", "curves", "{lm_torn_metrics}", "--out", OUT + ".png"],
-    ["eval", "{mt_no_record}"],
-    ["chat", "{lm_escaping_template}"],
-    ["train", "sft", "--init-from", "{lm_escaping_template}", "--files", "{chats}", "--output-dir", OUT]
-    + ["--max-steps", "1", "--no-progress", "--cpu"],
-    ["bench", "gpu", "--dry-run", "--json", ""],  # measured for 42 s, exited 0 and wrote nothing
-    ["bench", "gpu", "--dry-run", "--json", "{a_file}/gpu.json"],
-    ["bench", "decoder", "--json", " "],
+    (
+        ["generate", "{lm_binary_config}", "hello"],
+        "{lm_binary_config}/config.json is not valid JSON: not UTF-8 text (byte 128)",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--frequency-penalty", "1e9"],
+        "argument --frequency-penalty: must be a number >= -2.0 and <= 2.0, got '1e9'",
+    ),
+    (
+        ["generate", "{lm}", "hello", "--presence-penalty", "-2.5"],
+        "argument --presence-penalty: must be a number >= -2.0 and <= 2.0, got '-2.5'",
+    ),
+    (
+        ["chat", "{lm}", "--frequency-penalty", "3"],
+        "argument --frequency-penalty: must be a number >= -2.0 and <= 2.0, got '3'",
+    ),
+    (
+        ["serve", "{lm}", "--served-model-name", ""],
+        "argument --served-model-name: '': give the id clients will send as `model`",
+    ),
+    (
+        ["serve", "{lm}", "--served-model-name", "/etc/passwd"],
+        "argument --served-model-name: '/etc/passwd': give the id clients will send as `model`",
+    ),
+    (
+        ["serve", "{lm}", "--cb-num-blocks", "4"],
+        "--cb-num-blocks size the paged cache of --continuous-batching, which is off",
+    ),
+    (
+        ["serve", "{lm}", "--cb-max-batch-tokens", "64"],
+        "--cb-max-batch-tokens size the paged cache of --continuous-batching, which is off",
+    ),
+    (["bench", "runtimes", "--vocab", "1"], "argument --vocab: must be an integer >= 16 and <= 1048576, got '1'"),
+    (["bench", "runtimes", "--vocab", "100"], "--vocab 100: the BPE needs 262 to 1048576 ids"),
+    (
+        ["bench", "runtimes", "--context", "1000000000"],
+        "argument --context: must be an integer >= 2 and <= 131072, got '1000000000'",
+    ),
+    (
+        ["bench", "decoder", "--layers", "100000"],
+        "argument --layers: must be an integer >= 1 and <= 512, got '100000'",
+    ),
+    (
+        ["bench", "ablation", "--plot", "{emptydir}", "--output-dir", OUT],
+        "--plot {emptydir} is a folder; give the file to write",
+    ),
+    (
+        ["bench", "ablation", "--json", "{emptydir}", "--output-dir", OUT],
+        "--json {emptydir} is a folder; give the file to write",
+    ),
+    (["bench", "decoder", "--json", "{emptydir}"], "--json {emptydir} is a folder; give the file to write"),
+    (
+        ["import", "{gpt2_odd_heads}", "--out", OUT],
+        "{gpt2_odd_heads}/config.json describes a model that cannot be built: `embed_dim` must be divisible",
+    ),
+    (
+        ["import", "{gpt2_no_tokenizer}", "--out", OUT],
+        "{gpt2_no_tokenizer} has no tokenizer (no tokenizer.json, vocab.json and merges.txt, or SentencePiece model)",
+    ),
+    (
+        ["picture", "curves", "{lm_empty_metrics}", "--out", OUT + ".png"],
+        "{lm_empty_metrics}/metrics.jsonl holds no loss",
+    ),
+    (
+        ["picture", "curves", "{lm_torn_metrics}", "--out", OUT + ".png"],
+        "{lm_torn_metrics}/metrics.jsonl, line 1: not a JSON record",
+    ),
+    (["eval", "{mt_no_record}"], "{mt_no_record} has no run.json saying what it was trained on"),
+    (["chat", "{lm_escaping_template}"], "{lm_escaping_template}: its chat template fails in jinja's sandbox"),
+    (
+        ["train", "sft", "--init-from", "{lm_escaping_template}", "--files", "{chats}", "--output-dir", OUT]
+        + ["--max-steps", "1", "--no-progress", "--cpu"],
+        "{lm_escaping_template}: its chat template fails in jinja's sandbox",
+    ),
+    # measured for 42 s, exited 0 and wrote nothing
+    (["bench", "gpu", "--dry-run", "--json", ""], "--json '': give the name of the file to write"),
+    (
+        ["bench", "gpu", "--dry-run", "--json", "{a_file}/gpu.json"],
+        "--json {a_file}/gpu.json: the folder {a_file} is a file, not a folder",
+    ),
+    (["bench", "decoder", "--json", " "], "--json ' ': give the name of the file to write"),
 ]
 
 # Muon where it cannot run: LoRA's adapters (the update of a matrix is the product of two)
 OPTIMIZER_CASES = [
-    ["train", "sft", "--init-from", "{lm}", "--files", "{chats}", "--output-dir", OUT, "--lora", "--optimizer", "muon"]
-    + ["--max-steps", "1", "--batch-size", "2", "--no-progress", "--cpu"],
+    (
+        [
+            "train",
+            "sft",
+            "--init-from",
+            "{lm}",
+            "--files",
+            "{chats}",
+            "--output-dir",
+            OUT,
+            "--lora",
+            "--optimizer",
+            "muon",
+        ]
+        + ["--max-steps", "1", "--batch-size", "2", "--no-progress", "--cpu"],
+        "--optimizer muon does not train --lora adapters",
+    ),
 ]
 
 # Text that is not valid Unicode, at every command-line entry point for text: a byte that is not UTF-8 (`$'\xff'`
-# in a shell, which Python reads into argv as the surrogate \udcff) and a lone surrogate.
+# in a shell, which Python reads into argv as the surrogate \udcff) and a lone surrogate. The line names the
+# argument; test_text_that_is_not_unicode_is_named_as_such checks how it names the text.
 TEXT_CASES = [
-    ["generate", "{lm}", "1 \udcff :"],
-    ["generate", "{lm}", "\ud800"],
-    ["chat", "{lm}", "--system", "\udcff"],
-    ["translate", "{mt}", "\ud800"],
-    ["translate", "{mt}", "hello", "\udfff"],
-    ["attention", "{lm}", "\udcff"],
-    ["attention", "{mt}", "hello", "--target", "\ud800"],
-    ["picture", "tokens", "{lm}", "\udcff"],
-    ["picture", "temperature", "{lm}", "\ud800"],
-    ["tokenizer", "show", "{tok}", "\udcff"],
+    (["generate", "{lm}", "1 \udcff :"], "argument prompt: not valid text"),
+    (["generate", "{lm}", "\ud800"], "argument prompt: not valid text"),
+    (["chat", "{lm}", "--system", "\udcff"], "argument --system: not valid text"),
+    (["translate", "{mt}", "\ud800"], "argument text: not valid text"),
+    (["translate", "{mt}", "hello", "\udfff"], "argument text: not valid text"),
+    (["attention", "{lm}", "\udcff"], "argument text: not valid text"),
+    (["attention", "{mt}", "hello", "--target", "\ud800"], "argument --target: not valid text"),
+    (["picture", "tokens", "{lm}", "\udcff"], "argument text: not valid text"),
+    (["picture", "temperature", "{lm}", "\ud800"], "argument text: not valid text"),
+    (["tokenizer", "show", "{tok}", "\udcff"], "argument text: not valid text"),
     # the model's id in every reply: such bytes made every reply, /health too, a 500 with a traceback
-    ["serve", "{lm}", "--served-model-name", "model-\udcff"],
-    ["serve", "{lm}", "--served-model-name", "\ud800"],
+    (["serve", "{lm}", "--served-model-name", "model-\udcff"], "argument --served-model-name: not valid text"),
+    (["serve", "{lm}", "--served-model-name", "\ud800"], "argument --served-model-name: not valid text"),
 ]
 
 CASES = (
@@ -575,11 +928,12 @@ def digest(folder: str) -> str:
 
 def test_the_table_is_large_enough():
     assert len(CASES) >= 150, len(CASES)
-    assert len({case_id(c) for c in CASES}) == len(CASES), "two cases with the same id"
+    assert len({case_id(c) for c, _ in CASES}) == len(CASES), "two cases with the same id"
+    assert all(names.strip() for _, names in CASES), "a row without what its line must say"
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_bad_input_is_one_clear_line_and_changes_nothing(case, paths, capsys):
+@pytest.mark.parametrize("case, names", CASES, ids=[case_id(c) for c, _ in CASES])
+def test_bad_input_is_one_clear_line_and_changes_nothing(case, names, paths, capsys):
     argv = [arg.format(**paths) for arg in case]
     watched = [paths[k] for k in ("lm", "mt", "tok", "corpus", "pairs")]
     before = [digest(w) if os.path.isdir(w) else hashlib.sha256(open(w, "rb").read()).hexdigest() for w in watched]
@@ -598,12 +952,15 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(case, paths, capsys):
     assert status == 2, f"exit status {status!r}; stderr: {err[-2000:]}"
     assert "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("deriv: error: "), err[-2000:]
+    # subtle: the line must name this row's fault: a refusal for another reason (a missing file, a missing extra,
+    # an unknown flag) is also one `deriv: error:` line with status 2, and would pass the checks above
+    assert names.format(**paths) in lines[0], f"the line does not say {names!r}: {lines[0]!r}"
     after = [digest(w) if os.path.isdir(w) else hashlib.sha256(open(w, "rb").read()).hexdigest() for w in watched]
     assert before == after, "a folder or file the command was given changed"
     assert not left_behind, "an output was left behind"
 
 
-@pytest.mark.parametrize("case", TEXT_CASES, ids=case_id)
+@pytest.mark.parametrize("case", [c for c, _ in TEXT_CASES], ids=case_id)
 def test_text_that_is_not_unicode_is_named_as_such(case, paths, capsys):
     try:
         status = main([arg.format(**paths) for arg in case])
@@ -612,45 +969,6 @@ def test_text_that_is_not_unicode_is_named_as_such(case, paths, capsys):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert status == 2 and "not valid text: " in line, line
     assert ("the byte 0xff, which is not UTF-8" in line) or ("a lone surrogate (U+D" in line), line
-
-
-# Rows whose one line must name the flag at fault.
-FLAG_CASES = [
-    (["serve", "{lm}", "--served-model-name", "model-\udcff"], "--served-model-name"),
-    (["serve", "{lm}", "--served-model-name", "\ud800"], "--served-model-name"),
-    (["bench", "gpu", "--dry-run", "--json", ""], "--json"),
-    (["bench", "gpu", "--dry-run", "--json", "{a_file}/gpu.json"], "--json"),
-    (["bench", "decoder", "--json", " "], "--json"),
-    *[
-        (["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags], flag)
-        for flags, flag in SPEEDRUN_MODEL_FLAGS
-    ],
-    (["train", "translation", "--files", "{pairs}", "--output-dir", OUT, "--hidden-act", "relu2"], "--hidden-act"),
-    (OPTIMIZER_CASES[0], "--optimizer muon"),
-]
-# the optimizer and the schedule (issue 48): each row of TRAIN_FLAGS names its flag, or the field of that name
-FLAG_CASES += [
-    (["train", "lm", "--files", "{corpus}", "--output-dir", OUT, *flags], flag)
-    for flags, flag in [
-        (["--optimizer", "sgd"], "--optimizer"),
-        (["--muon-learning-rate", "0"], "`muon_learning_rate`"),
-        (["--muon-learning-rate", "-1"], "`muon_learning_rate`"),
-        (["--muon-momentum", "1"], "`muon_momentum`"),
-        (["--decay-ratio", "0"], "`decay_ratio`"),
-        (["--decay-ratio", "1.5"], "`decay_ratio`"),
-        (["--lr-schedule", "wsd", "--decay-ratio", "0.95"], "--decay-ratio 0.95"),
-    ]
-]
-
-
-@pytest.mark.parametrize("case, flag", FLAG_CASES, ids=[case_id(c[0]) for c in FLAG_CASES])
-def test_the_line_names_the_flag(case, flag, paths, capsys):
-    try:
-        status = main([arg.format(**paths) for arg in case])
-    except SystemExit as stop:
-        status = stop.code
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert status == 2 and line.startswith("deriv: error: ") and flag in line, line
 
 
 # Muon where the run cannot give it whole matrices or where torch lacks it, the run otherwise good: the variable
