@@ -5,11 +5,12 @@ The bases are a tiny native GPT-2 and a tiny native Marian, built here (what `de
 imports: a GPT-2-shaped Deriv language model and a Marian-shaped Deriv translation model (which `deriv export`
 writes back). Each is copied and spoiled one way: its weights only as a pickle (a benign one, and one whose
 unpickling would write a marker file), a tensor missing, none of the model's tensors, a tensor of the wrong
-shape, a tensor the model has no place for, a truncated safetensors file, or a config of another model type.
+shape, a tensor the model has no place for, a truncated safetensors file, a config of another model type, or
+shards whose index names a pickle, a path or link out of the folder, leaves out a tensor a shard holds, and more.
 Every command that loads that kind of folder must refuse each copy before doing anything else: exit status 2,
 one `deriv: error:` line naming the problem and the file, folder or tensor, nothing logged beside it, no
 traceback, no output, and no pickle ever opened. The unspoiled bases pass every command, so each refusal is
-the spoiling's.
+the spoiling's. The shard index's checks are also proven one at a time on bare shards (the last section).
 """
 
 from __future__ import annotations
@@ -173,6 +174,16 @@ def index_names_a_link_out(folder: Path, marker: Path) -> str:
 
 
 def index_lacks_a_tensor(folder: Path, marker: Path) -> str:
+    """The index's allow-list: a shard still holds the tensor, the index leaves it out (transformers would load it
+    without a word). Found from the files, before any weight is loaded."""
+    _, weight_map, first = _shard(folder)
+    del weight_map[first]
+    _write_index(folder, weight_map)
+    return f"leaves out 1 tensor its shards hold: {first}"
+
+
+def index_and_shard_lack_a_tensor(folder: Path, marker: Path) -> str:
+    """The index and its shards agree, and both lack a tensor the model needs: `load_weights`' missing check."""
     tensors, weight_map, first = _shard(folder)
     shard = weight_map.pop(first)
     save_file({k: v.contiguous() for k, v in tensors.items() if weight_map.get(k) == shard}, folder / shard)
@@ -253,6 +264,7 @@ SPOILS = {
     "index-absolute": index_names_an_absolute_path,
     "index-link-out": index_names_a_link_out,
     "index-lacks-a-tensor": index_lacks_a_tensor,
+    "index-and-shard-lack-a-tensor": index_and_shard_lack_a_tensor,
     "index-tensor-twice": index_tensor_in_two_shards,
     "index-no-metadata": index_without_metadata,
     "index-nul": index_names_with_a_nul,
@@ -297,8 +309,10 @@ COMMANDS = {
 }
 NATIVE = ("gpt2", "marian")  # the sources `deriv import` reads; the other bases are Deriv folders
 # The spoilings found only by loading the weights (the others are found from the folder's files and config): `deriv
-# eval --tasks` finds them after lm-evaluation-harness has indexed its tasks, some seconds in.
-LOADED_TO_FIND = ("missing-one", "no-model-tensors", "wrong-shape", "extra-tensor", "index-lacks-a-tensor")
+# eval --tasks` finds them after lm-evaluation-harness has indexed its tasks, some seconds in. Their refusals name
+# the tensor (all but "no-model-tensors", which names what is missing), not the folder.
+NAME_THE_TENSOR = ("missing-one", "wrong-shape", "extra-tensor", "index-and-shard-lack-a-tensor")
+LOADED_TO_FIND = (*NAME_THE_TENSOR, "no-model-tensors")
 
 
 def cases():
@@ -458,7 +472,7 @@ def test_a_hostile_folder_is_refused_in_one_line_before_anything_is_written(
     assert [record.getMessage() for record in library_log] == []  # no LOAD REPORT beside the one line
     line = lines[0]
     assert folders[f"{base}-{spoil}:expected"] in line, line  # the file, the tensor or the type at fault
-    if spoil not in ("missing-one", "wrong-shape", "extra-tensor", "index-lacks-a-tensor"):  # those name the tensor
+    if spoil not in NAME_THE_TENSOR:  # those name the tensor, not the file
         assert str(folder) in line, line
     if "pickle" in spoil:
         assert "save_pretrained" in line and "model.safetensors" in line, line  # how to convert it, and to what
@@ -533,3 +547,146 @@ def test_a_load_that_passes_keeps_the_librarys_log_and_a_refusal_leaves_no_filte
     assert modeling.filters == []
     assert load_weights(AutoModelForCausalLM, folders["lm"]).config.model_type == "deriv"
     assert modeling.filters == []
+
+
+# ---- the shard index, one check at a time -----------------------------------------------------------------------
+# `check_shard_index` on a bare folder of two small shards (no model: the index's checks read files only). Each row
+# plants one fault and names the words only its own check says, so deleting any one check fails its row: a later
+# check would refuse the folder for another reason, or nothing would.
+
+A, B = SHARDS
+SOUND_MAP = {"a": A, "b": A, "c": B}
+
+
+def _bare_shards(folder: Path, held: dict[str, tuple[str, ...]]) -> None:
+    """Write shards A and B; `held` maps each shard to the tensors it holds."""
+    for shard, names in held.items():
+        save_file({name: torch.full((2,), float(i)) for i, name in enumerate(names)}, folder / shard)
+
+
+def _index_text(folder: Path, text: str) -> None:
+    (folder / "model.safetensors.index.json").write_text(text)
+
+
+def _sound(folder: Path) -> None:
+    _bare_shards(folder, {A: ("a", "b"), B: ("c",)})
+    _write_index(folder, SOUND_MAP)
+
+
+def unnamed(folder):  # shard A still holds b; the index leaves it out (and transformers would load it)
+    _sound(folder)
+    _write_index(folder, {"a": A, "c": B})
+    return "UsageError", "leaves out 1 tensor its shards hold: b"
+
+
+def misplaced(folder):  # the index puts c in A; it is in B
+    _sound(folder)
+    _write_index(folder, {**SOUND_MAP, "c": A})
+    return "UsageError", "names 1 tensor where they are not: c (not in " + A
+
+
+def in_two_shards(folder):
+    _bare_shards(folder, {A: ("a", "b"), B: ("c", "a")})
+    _write_index(folder, SOUND_MAP)
+    return "UsageError", f"1 tensor in more than one shard: a ({A}, {B})"
+
+
+def duplicate_key(folder):  # "a" twice, both times in A: the map alone would look sound
+    _sound(folder)
+    _index_text(folder, f'{{"metadata": {{}}, "weight_map": {{"a": "{A}", "a": "{A}", "b": "{A}", "c": "{B}"}}}}')
+    return "UsageError", "names 1 tensor more than once: a"
+
+
+def not_json(folder):
+    _sound(folder)
+    _index_text(folder, '{"metadata": {}, "weight_map": ')
+    return "UsageError", "is not valid JSON"
+
+
+def not_an_object(folder):
+    _sound(folder)
+    _index_text(folder, json.dumps([SOUND_MAP]))
+    return "UsageError", "should hold a JSON object"
+
+
+def no_weight_map(folder):
+    _sound(folder)
+    _index_text(folder, json.dumps({"metadata": {}}))
+    return "UsageError", "has no weight_map"
+
+
+def weight_map_a_list(folder):
+    _sound(folder)
+    _index_text(folder, json.dumps({"metadata": {}, "weight_map": list(SOUND_MAP)}))
+    return "UsageError", "has no weight_map"
+
+
+def weight_map_empty(folder):  # with the shards' tensors nowhere in it, a load would find none of them
+    _sound(folder)
+    _write_index(folder, {})
+    return "UsageError", "has no weight_map"
+
+
+def no_metadata(folder):
+    _sound(folder)
+    _index_text(folder, json.dumps({"weight_map": SOUND_MAP}))
+    return "UsageError", 'has no "metadata" object'
+
+
+def no_shard_name(folder):
+    _sound(folder)
+    _write_index(folder, {**SOUND_MAP, "c": None})
+    return "UsageError", "'c' names no shard file"
+
+
+def shard_missing(folder):
+    _sound(folder)
+    (folder / B).unlink()
+    return "MissingFile", f"'c' is in '{B}', which is not there"
+
+
+def shard_not_whole(folder):
+    _sound(folder)
+    (folder / B).write_bytes((folder / B).read_bytes()[:-3])
+    return "UsageError", f"{B}: not a whole safetensors file"
+
+
+def shard_a_pickle_name(folder):
+    _sound(folder)
+    (folder / "c.bin").write_bytes(b"")
+    _write_index(folder, {**SOUND_MAP, "c": "c.bin"})
+    return "UsageError", "'c' is in 'c.bin', which is not a safetensors file"
+
+
+def shard_outside(folder):
+    _sound(folder)
+    _write_index(folder, {**SOUND_MAP, "c": f"../{folder.name}/{B}"})  # the same file, by a path that leaves
+    return "UsageError", "a path outside the folder"
+
+
+INDEX_FAULTS = [unnamed, misplaced, in_two_shards, duplicate_key, not_json, not_an_object, no_weight_map]
+INDEX_FAULTS += [weight_map_a_list, weight_map_empty, no_metadata, no_shard_name, shard_missing, shard_not_whole]
+INDEX_FAULTS += [shard_a_pickle_name, shard_outside]
+
+
+def test_a_sound_shard_index_passes_and_gives_its_map(tmp_path):
+    from deriv_lm.folder.load import check_shard_index
+
+    _sound(tmp_path)
+    assert check_shard_index(tmp_path) == SOUND_MAP
+
+
+@pytest.mark.parametrize("fault", INDEX_FAULTS, ids=lambda fault: fault.__name__.replace("_", "-"))
+def test_each_check_of_the_shard_index_refuses_its_own_fault_by_name(fault, tmp_path):
+    """One UsageError (of the class the fault calls for), one line, naming the index or the shard at fault and
+    the tensor or field: the words only the check for this fault says."""
+    from deriv_lm import errors
+    from deriv_lm.folder.load import check_shard_index
+
+    kind, words = fault(tmp_path)
+    with pytest.raises(errors.UsageError) as refused:
+        check_shard_index(tmp_path)
+    message = str(refused.value)
+    assert type(refused.value) is getattr(errors, kind), f"{type(refused.value).__name__}: {message}"
+    assert words in message and "\n" not in message, message
+    assert str(tmp_path) in message, message  # the index's path (or the shard's)
