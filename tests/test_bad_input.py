@@ -1,9 +1,11 @@
 """Every `deriv` command against a table of bad input: files, numbers, flags, folders and prompts.
 
 For each case the command must exit with status 2 and print exactly one line on stderr, starting
-`deriv: error:`, that names what is wrong; no traceback; and no folder it was pointed at (the trained
-folders, the tokenizer) may change, nor may an output folder be left behind. The commands run in this
-process (`deriv_lm.cli.main`), so a case that ends in an unexpected exception fails with its traceback.
+`deriv: error:`, that names what is wrong (each row gives the piece its line must hold: the flag or field at
+fault with the bad value or the range, or the file or folder, so that a refusal for another reason fails the row);
+no traceback; and no folder it was pointed at (the trained folders, the tokenizer) may change, nor may an output
+folder be left behind. The commands run in this process (`deriv_lm.cli.main`), so a case that ends in an
+unexpected exception fails with its traceback.
 """
 
 from __future__ import annotations

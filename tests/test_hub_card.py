@@ -244,8 +244,9 @@ PLANTED = {
 def test_push_refuses_a_file_a_model_folder_should_not_publish(
     lm_folder, tmp_path, capsys, monkeypatch, planted, dry_run
 ):
-    """A planted pickle, a script, code beside or in place of the package's own: named and refused, in the dry run
-    and in a real push alike, before any token is read or anything is sent."""
+    """A planted pickle, a script, code beside or in place of the package's own: refused with status 2 and a line
+    naming the file and why, in the dry run and in a real push alike (a token set, so the push could go ahead):
+    the repository is never created."""
     import huggingface_hub
 
     folder = tmp_path / "lm"

@@ -650,8 +650,9 @@ def abandon_a_stream(server, prompt: str) -> bool:
 @pytest.mark.upstream
 def test_a_request_that_breaks_the_batching_worker_fails_alone(reference):
     """Validation keeps such a request out, but the engine must survive one anyway: a prompt longer than the
-    sinusoid table (here sent past the checks, straight to the engine) fails, /health says why while the worker
-    is replaced, and the next request gets generate()'s text."""
+    sinusoid table (here sent past the checks, straight to the engine) fails, the engine's reason for /health
+    (`alive()`, which /health answers with a 503) says the worker is being restarted until it is replaced, once,
+    and the next request gets generate()'s text."""
     from transformers import ContinuousBatchingConfig
 
     from deriv_lm.serving.engines import END, BatchingEngine, Job, JobFailed
@@ -692,7 +693,7 @@ def test_a_request_that_breaks_the_batching_worker_fails_alone(reference):
 
     restarts, reasons, text = asyncio.run(scenario())
     assert text == reference["completions"][PROMPT]
-    # /health gave a reason while the worker was replaced: "failed (ValueError)" once the worker has recorded its
-    # error, "not running" if the watcher looked between the thread's end and that record (seen under load with
-    # transformers 5.24 and torch 2.15)
+    # the reason while the worker was replaced: "... failed (ValueError); it is being restarted" once the worker has
+    # recorded its error, "... is not running; it is being restarted" if the watcher looked between the thread's
+    # end and that record (seen under load with transformers 5.24 and torch 2.15): both say "being restarted"
     assert restarts == 1 and any(r and "being restarted" in r for r in reasons), (restarts, reasons)
