@@ -5,9 +5,11 @@
   resizing, and every export writing the unpadded twin's weights;
 - the chunked linear cross-entropy (`forward(loss_chunk_size=...)`, `modeling_deriv/linear_cross_entropy.py`): the
   loss and gradients of the plain path in float32 and bfloat16, with ignored labels and odd chunk sizes, through the
-  whole model, and no intermediate larger than one chunk's logits;
-- a training step that reads nothing back from the device outside the logging steps, and a loss that is not a
-  number still stopping the run (at the next read) with no checkpoint after it;
+  whole model, under an incoming gradient other than 1, with one input frozen, and no intermediate larger than one
+  chunk's logits;
+- a training step that reads nothing back from the device outside the logging steps (counted by `DeviceReads`,
+  itself proven on each read and syncing operation planted in a step), and a loss that is not a number still
+  stopping the run (at the next read) with no checkpoint after it;
 - the flags and presets that switch them.
 """
 
@@ -394,34 +396,99 @@ def tiny_args(tmp_path, corpus_file, **overrides) -> TrainingArguments:
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+# the tensor methods that read values to the host: `.to` only when it names the host ("cpu"; see DeviceReads)
+READS = ("item", "tolist", "cpu", "numpy", "to", "__float__", "__int__", "__bool__", "__index__")
+aten = torch.ops.aten
+# the operations that wait for the device: a value read (`_local_scalar_dense`: `torch.arange(t)`, `range(t)` in
+# C++), a boolean answer about values, or an output whose size depends on the values (it must be known on the host)
+SYNCING = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim}
+SYNCING |= {aten.unique_consecutive, aten.bincount, aten.equal, aten.allclose, aten.is_nonzero}
+INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+def syncs(func, args, kwargs) -> bool:
+    """Whether an aten operation waits for the device: one of SYNCING, a mask index (`x[mask]`, `x[mask] = v`: its
+    positions are a nonzero), or repeat_interleave without the output size."""
+    packet = func.overloadpacket
+    if packet in INDEXING:
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if packet is aten.repeat_interleave:
+        return kwargs.get("output_size") is None
+    return packet in SYNCING
+
+
+def names_the_host(args, kwargs) -> bool:
+    """Whether `.to(*args, **kwargs)` moves to the host by name: `.to("cpu")`, `.to(device="cpu")`."""
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, str) and target.split(":")[0] == "cpu"
+
+
+def charged() -> bool:
+    """Whether the operation running now was called by this package's code: the first caller outside torch is a file
+    of the repository, not a test, and not the loader's collator (which checks the ids of the batch it builds, a
+    host tensor not yet on any device)."""
+    frame = sys._getframe(2)
+    while frame is not None and "/torch/" in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name == "collate":
+        return False
+    name = frame.f_code.co_filename
+    return name.startswith(REPO) and "/tests/" not in name and "site-packages" not in name
+
+
+class SyncingOps(TorchDispatchMode):
+    """Calls `note()` for each operation that waits for the device (`syncs`) that the package's code called."""
+
+    def __init__(self, note):
+        super().__init__()
+        self.note = note
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if syncs(func, args, kwargs) and charged():
+            self.note()
+        return func(*args, **kwargs)
 
 
 class DeviceReads(TrainerCallback):
-    """Counts the reads of tensor values (`.item()`, `float(t)`, `if t:`, ...) made by this package's code between one
-    step's end and the next, while the loop runs; a read inside torch is charged to the package's code that called
-    into torch. (Library internals are not counted: torch.optim reads its step counter, a host tensor on GPUs too.)"""
+    """Counts the reads from the device made by this package's code between one step's end and the next, while the
+    loop runs: the tensor methods that read values (READS: `.item()`, `float(t)`, `if t:`, `.tolist()`, `.cpu()`,
+    `.to("cpu")`, ...) and the operations that wait for the device (`syncs`: `x[mask]`, `nonzero`, `unique`,
+    `torch.equal`, a scalar read inside an operation, ...). A read inside torch is charged to the package's code that
+    called into torch, and counted once (the read a counted method makes inside is its own). Library internals are
+    not counted: torch.optim reads its step counter, a host tensor on GPUs too.
+
+    subtle: on a CPU run the device is the host, so `.to(device)` with a device object (`targets.to(hidden.device)`)
+    cannot be told from a read and is not counted; `.to("cpu")` by name, and `.cpu()`, are. Used as a context
+    manager around the run, so that a run that raises leaves no counting behind."""
 
     def __init__(self, monkeypatch):
-        self.monkeypatch, self.count, self.between = monkeypatch, 0, {}
+        self.monkeypatch, self.count, self.between, self.mode = monkeypatch, 0, {}, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.on_train_end(None)
+
+    def note(self) -> None:
+        self.count += 1
 
     def on_train_begin(self, trainer, **kwargs):
         for name in READS:
-            self.monkeypatch.setattr(torch.Tensor, name, self.counted(getattr(torch.Tensor, name)))
+            self.monkeypatch.setattr(torch.Tensor, name, self.counted(name, getattr(torch.Tensor, name)))
+        self.mode = SyncingOps(self.note).__enter__()
 
     def on_train_end(self, trainer, **kwargs):
-        self.monkeypatch.undo()
+        if self.mode is not None:
+            self.mode, mode = None, self.mode
+            mode.__exit__(None, None, None)
+            self.monkeypatch.undo()
 
-    def counted(self, method):
+    def counted(self, name: str, method):
         def read(tensor, *args, **kwargs):
-            frame = sys._getframe(1)
-            while frame is not None and "/torch/" in frame.f_code.co_filename:
-                frame = frame.f_back
-            name = frame.f_code.co_filename if frame is not None else ""
-            # the loader's collator checks the ids of the batch it builds, a host tensor not yet on any device
-            host_batch = frame is not None and frame.f_code.co_name == "collate"
-            if name.startswith(REPO) and "/tests/" not in name and "site-packages" not in name and not host_batch:
-                self.count += 1
+            if (name != "to" or names_the_host(args, kwargs)) and charged():
+                self.note()
             return method(tensor, *args, **kwargs)
 
         return read
@@ -442,14 +509,74 @@ def test_a_training_step_reads_nothing_back_from_the_device_outside_the_logging_
 
     if accelerator:
         monkeypatch.setattr(modeling_deriv, "lookup_fails_loudly", lambda device: False)
-    reads = DeviceReads(monkeypatch)
     args = tiny_args(tmp_path, corpus_file, max_steps=6, log_every=3, loss_implementation="chunked", loss_chunk_size=7)
-    run(args, LanguageModelTask(args), cpu=True, callbacks=[reads])
+    with DeviceReads(monkeypatch) as reads:
+        run(args, LanguageModelTask(args), cpu=True, callbacks=[reads])
     # after steps 1, 2, 4 and 5 the next step ran and nothing was read; after step 3 the log record read its values
     assert {step: reads.between[step] for step in (1, 2, 4, 5)} == dict.fromkeys((1, 2, 4, 5), 0)
     assert reads.between[3] > 0
     lines = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
     assert [line["tokens_seen"] for line in lines if "train_loss" in line] == [3 * 4 * 15, 6 * 4 * 15]
+
+
+# one statement that reads from the device, on x (4, 3) floats, m its mask, i indices, r repeat counts
+PLANTED_READS = {
+    "item": "x[0, 0].item()",
+    "float": "float(x[0, 0])",
+    "int": "int(i[1])",
+    "if": "if m[0, 0]: pass",
+    "index": "range(i[1])",
+    "tolist": "x.tolist()",
+    "numpy": "x.numpy()",
+    "cpu": "x.cpu()",
+    "to cpu": 'x.to("cpu")',
+    "to device=cpu": 'x.to(device="cpu")',
+    "mask index": "x[m]",
+    "mask assignment": "x[m] = 0.0",
+    "nonzero": "torch.nonzero(m)",
+    "where of a mask": "torch.where(m)",
+    "masked_select": "x.masked_select(m)",
+    "unique": "torch.unique(i)",
+    "unique_consecutive": "torch.unique_consecutive(i)",
+    "repeat_interleave": "x.repeat_interleave(r, dim=0)",
+    "equal": "torch.equal(x, x)",
+    "allclose": "torch.allclose(x, x)",
+    "bincount": "torch.bincount(i)",
+    "a tensor as a size": "torch.arange(i[1])",
+}
+NOT_READS = {  # the same kinds of operation, with nothing to wait for
+    "index by ids": "x[i]",
+    "to a dtype": "x.to(torch.float64)",
+    "to its device": "x.to(x.device)",
+    "masked_fill": "x.masked_fill(m, 0.0)",
+    "where of three": "torch.where(m, x, 0.0)",
+    "repeat_interleave sized": "x.repeat_interleave(r, dim=0, output_size=6)",
+}
+
+
+def reads_of(source: str, monkeypatch, filename: str) -> int:
+    """What DeviceReads counts in one step whose code is `source`, compiled as the file `filename`."""
+    x = torch.randn(4, 3)
+    names = dict(torch=torch, x=x, m=x > 0, i=torch.tensor([0, 2, 2]), r=torch.tensor([1, 2, 0, 3]))
+    trainer = type("Trainer", (), {"state": type("State", (), {"step": 1})})
+    with DeviceReads(monkeypatch) as reads:
+        reads.on_train_begin(trainer)
+        exec(compile(source, filename, "exec"), names)
+        reads.on_step_end(trainer, result=None)
+    return reads.between[0]
+
+
+@pytest.mark.parametrize("source", PLANTED_READS.values(), ids=PLANTED_READS)
+def test_device_reads_counts_each_way_the_packages_code_can_wait_for_the_device(source, monkeypatch):
+    """Planted in a step in the package's code (compiled under a file name of the package, which is how DeviceReads
+    tells its code from torch's and the tests'), each read is counted, once; the same in a test is not."""
+    assert reads_of(source, monkeypatch, os.path.join(REPO, "training", "planted.py")) == 1
+    assert reads_of(source, monkeypatch, __file__) == 0
+
+
+@pytest.mark.parametrize("source", NOT_READS.values(), ids=NOT_READS)
+def test_device_reads_counts_no_operation_that_need_not_wait(source, monkeypatch):
+    assert reads_of(source, monkeypatch, os.path.join(REPO, "training", "planted.py")) == 0
 
 
 def test_a_loss_that_is_not_a_number_between_logs_stops_the_run_at_the_next_read(tmp_path, corpus_file, monkeypatch):
