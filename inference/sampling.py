@@ -50,6 +50,10 @@ def sampling_options(ns: argparse.Namespace) -> dict:
     if ns.greedy or options.get("temperature") == 0:
         options.pop("temperature", None)  # temperature 0 is the limit of sampling: the most likely token
         options["do_sample"] = False
+    elif "temperature" in options:
+        # subtle: a folder that decodes greedily (a chat fine-tune's) would keep do_sample=False and drop the
+        # temperature with a warning; a temperature above 0 samples, as deriv serve reads a request's
+        options["do_sample"] = True
     if getattr(ns, "decode_loop", None):
         check_decode_loop(ns, options)
         options["decode_loop"] = ns.decode_loop
