@@ -1,6 +1,7 @@
 """The decode loop from the commands: `deriv generate --decode-loop`, `deriv chat --decode-loop`, `deriv serve
---decode-loop`: the same text as without it, and each flag it cannot honour refused in one line (or a 400 naming the
-field) before anything decodes.
+--decode-loop`: the loop ran (its steps counted, `LoopRuns`: the same text as without it proves nothing alone, since
+generate()'s own loop gives it too), with the flags' settings, the same text as without it, and each flag it cannot
+honour refused in one line (or a 400 naming the field) before anything decodes.
 
 The loop runs uncompiled here (`eager`, the same step function); tests/test_decode_loop.py compiles it.
 """
@@ -11,6 +12,7 @@ import json
 
 import pytest
 from conftest import SERVED_MESSAGES, ServerThread, cli_error, greedy_numbers_folder, served_reference
+from test_decode_loop import LoopRuns
 
 from deriv_lm.cli import main
 from deriv_lm.serving.server import listen
@@ -36,22 +38,41 @@ def generated(capsys, argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("extra", [["--no-stream"], []], ids=["printed at the end", "streamed"])
-def test_deriv_generate_prints_the_same_text_through_the_loop(folder, capsys, extra):
+def test_deriv_generate_prints_the_same_text_through_the_loop(folder, capsys, monkeypatch, extra):
+    """The folder's NEW_TOKENS tokens, all but the first from the loop's steps (one block), and generate()'s text;
+    without the flag the loop does not run."""
     argv = ["generate", str(folder), "5 3 1 8 :", "--greedy", *extra]
-    assert generated(capsys, [*argv, "--decode-loop", "eager"]) == generated(capsys, argv)
+    loop = LoopRuns(monkeypatch)
+    through_the_loop = generated(capsys, [*argv, "--decode-loop", "eager"])
+    assert (len(loop.runs), loop.steps) == (1, NEW_TOKENS - 1), "--decode-loop ran the loop"
+    assert through_the_loop == generated(capsys, argv)
+    assert (len(loop.runs), loop.steps) == (1, NEW_TOKENS - 1), "no flag, no loop"
 
 
-def test_deriv_generate_samples_through_the_loop(folder, capsys):
+def test_deriv_generate_samples_through_the_loop(folder, capsys, monkeypatch):
+    """Sampling in the loop's steps, with the flags' temperature, top-k and presence penalty as the step's settings
+    (the loop's random numbers are not generate()'s: the text cannot be compared)."""
     argv = ["generate", str(folder), "7 1", "--temperature", "0.9", "--top-k", "5", "--no-stream"]
+    loop = LoopRuns(monkeypatch)
     text = generated(capsys, [*argv, "--decode-loop", "eager", "--presence-penalty", "0.3"])
     assert text.startswith("7 1") and len(text) > len("7 1")
+    assert (len(loop.runs), loop.steps) == (1, NEW_TOKENS - 1)
+    assert loop.mode(0)[0], "sampled, not greedy"
+    settings = {name: loop.setting(0, name) for name in ("temperature", "top_k", "presence")}
+    assert settings == {"temperature": pytest.approx(0.9), "top_k": 5, "presence": pytest.approx(0.3)}
 
 
-def test_deriv_generate_applies_every_penalty_in_the_loop(folder, capsys):
-    """The frequency penalty too (the loop counts only the tokens written so far): generate()'s text."""
+def test_deriv_generate_applies_every_penalty_in_the_loop(folder, capsys, monkeypatch):
+    """The frequency penalty too (the loop counts only the tokens written so far): generate()'s text, from the
+    loop's steps with the three penalties as its settings."""
     argv = ["generate", str(folder), "5 3 1 8 :", "--greedy", "--no-stream", "--frequency-penalty", "1.5"]
     argv += ["--presence-penalty", "0.5", "--repetition-penalty", "1.3"]
+    loop = LoopRuns(monkeypatch)
     assert generated(capsys, [*argv, "--decode-loop", "eager"]) == generated(capsys, argv)
+    assert (len(loop.runs), loop.steps) == (1, NEW_TOKENS - 1)
+    settings = {name: loop.setting(0, name) for name in ("frequency", "presence", "repetition")}
+    assert settings == pytest.approx({"frequency": 1.5, "presence": 0.5, "repetition": 1.3})
+    assert loop.mode(0) == (False, True, False), "greedy, penalised"
 
 
 # (flags after `deriv generate FOLDER PROMPT --decode-loop eager`, words the one-line refusal must hold)
@@ -106,7 +127,9 @@ def server(folder):
     server.stop()
 
 
-def test_deriv_serve_answers_generates_text_through_the_loop(server, reference):
+def test_deriv_serve_answers_generates_text_through_the_loop(server, reference, monkeypatch):
+    """Each request (completions, chat, streamed) decoded in the loop's steps, greedily, and generate()'s text."""
+    loop = LoopRuns(monkeypatch)
     for prompt, expected in reference["completions"].items():
         reply = server.post("/v1/completions", {"model": "numbers", "prompt": prompt, "max_tokens": NEW_TOKENS})
         assert reply["choices"][0]["text"] == expected, prompt
@@ -116,11 +139,15 @@ def test_deriv_serve_answers_generates_text_through_the_loop(server, reference):
     assert (
         "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == reference["completions"]["5 3 1 8 :"]
     )
+    requests = len(reference["completions"]) + 2
+    assert (len(loop.runs), loop.steps) == (requests, requests * (NEW_TOKENS - 1)), "every request ran the loop"
+    assert not any(loop.mode(run)[0] for run in range(requests)), "greedily, as the folder decodes"
     assert "Traceback" not in server.log_tail(10**6)
 
 
-def test_deriv_serve_applies_the_penalties_in_the_loop(server, reference):
-    """presence_penalty and frequency_penalty through the loop: generate()'s text with the same two processors."""
+def test_deriv_serve_applies_the_penalties_in_the_loop(server, reference, monkeypatch):
+    """presence_penalty and frequency_penalty through the loop (its steps, with the two as settings): generate()'s
+    text with the same two processors."""
     import torch
     from transformers import LogitsProcessorList
 
@@ -133,12 +160,16 @@ def test_deriv_serve_applies_the_penalties_in_the_loop(server, reference):
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)), logits_processor=processors)
     expected = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
     body = {"model": "numbers", "prompt": text, "max_tokens": NEW_TOKENS, "presence_penalty": 0.5}
+    loop = LoopRuns(monkeypatch)
     reply = server.post("/v1/completions", {**body, "frequency_penalty": 1.5})
     assert reply["choices"][0]["text"] == expected
+    assert (len(loop.runs), loop.steps) == (1, NEW_TOKENS - 1)
+    settings = {name: loop.setting(0, name) for name in ("presence", "frequency")}
+    assert settings == pytest.approx({"presence": 0.5, "frequency": 1.5})
     assert expected != reference["completions"][text], "the penalties must matter for this test to mean anything"
 
 
-def test_a_request_the_loop_refuses_runs_in_generate_said_once(server, reference):
+def test_a_request_the_loop_refuses_runs_in_generate_said_once(server, reference, monkeypatch):
     """The engine's net under the loop: settings the loop refuses (here n-gram blocking, which no request can ask
     for today) run in generate()'s own loop, one log line, generate()'s tokens, never a failed request."""
     import asyncio
@@ -161,7 +192,9 @@ def test_a_request_the_loop_refuses_runs_in_generate_said_once(server, reference
         out = reference["model"].generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)), no_repeat_ngram_size=2
         )
+    loop = LoopRuns(monkeypatch)
     assert asyncio.run(decode()) == out[0, len(ids) :].tolist()
+    assert loop.runs == [], "refused before the loop ran a step"
     log = server.log_tail(10**6)
     assert log.count("generate() runs this request") == 1 and "NoRepeatNGramLogitsProcessor" in log
     assert "Traceback" not in log
