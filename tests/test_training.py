@@ -411,15 +411,31 @@ def test_a_second_run_into_a_trained_folder_is_refused_and_the_first_is_untouche
     assert files_of(str(folder)) == before
 
 
-def test_the_last_line_of_a_resumed_run_adds_up(tmp_path, corpus_file, capsys):
-    """After a resume the steps, tokens and training seconds are the whole run's, and this process's wall time is
-    said as such (it once put the resumed part's seconds beside the whole run's steps)."""
+def test_the_last_line_of_a_resumed_run_adds_up(tmp_path, corpus_file, capsys, monkeypatch):
+    """After a resume the steps, tokens and training seconds are the whole run's: the seconds the first part's
+    checkpoint recorded before the stop, plus the second part's (at most its wall time); and this process's wall
+    time is said as such (it once put the resumed part's seconds beside the whole run's steps). The first part's
+    trainer runs on a clock a million times fast, so that its seconds stand apart from anything the second part
+    could count: a resume that restarted the count from 0 (or carried it without adding) cannot pass."""
+    import time
+    from types import SimpleNamespace
+
+    from deriv_lm.training import trainer
+
     args = tiny_args(tmp_path, corpus_file, max_steps=4, save_every=4, eval_every=4)
-    train_lm(args, cpu=True)
+    with monkeypatch.context() as fast:
+        fast.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() * 1e6))
+        train_lm(args, cpu=True)
+    state = json.load(open(os.path.join(args.checkpoint_dir, "step-0000004", "trainer_state.json")))
+    first = state["train_seconds"]
+    assert first == json.load(open(os.path.join(args.output_dir, "run.json")))["training"]["train_seconds"] > 1000
     capsys.readouterr()
+    started = time.perf_counter()
     train_lm(TrainingArguments(**{**args.to_dict(), "max_steps": 8, "resume": True}), cpu=True)
+    second_wall = time.perf_counter() - started
     done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]
     record = json.load(open(os.path.join(args.output_dir, "run.json")))["training"]
+    assert first < record["train_seconds"] <= first + second_wall, (first, record["train_seconds"], second_wall)
     assert len(done) == 1 and done[0].startswith("done: 8 steps, ")
     assert f" in {record['train_seconds']:.0f} s of training; this process " in done[0], done[0]
     assert " s from step 4; " in done[0], done[0]
