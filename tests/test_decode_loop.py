@@ -93,10 +93,11 @@ def test_greedy_tokens_are_generates_for_each_decoder(models, kind):
     assert torch.equal(got, expected)
 
 
-def ends_at(model, ids, step: int) -> int:
-    """A token that greedy decoding writes first near new position `step` of row 0: as eos, it ends that row
-    there (after `step` // 2 new tokens at least)."""
-    free = model.generate(ids, max_new_tokens=step + 1, eos_token_id=None, **GREEDY)[0, ids.shape[1] :].tolist()
+def ends_at(model, ids, step: int, **kwargs) -> int:
+    """A token that greedy decoding (with `kwargs`' processors) writes first near new position `step` of row 0: as
+    eos, it ends that row there (after `step` // 2 new tokens at least)."""
+    free = model.generate(ids, max_new_tokens=step + 1, eos_token_id=None, **GREEDY, **kwargs)
+    free = free[0, ids.shape[1] :].tolist()
     firsts = [i for i, token in enumerate(free) if token not in free[:i] and i >= step // 2]
     assert firsts, "greedy decoding of this tiny model repeats itself; pick another prompt"
     return free[firsts[-1]]
@@ -297,25 +298,29 @@ def test_the_generation_config_switch_survives_save_and_load(tmp_path, monkeypat
     assert torch.equal(got, expected)
 
 
+class Record:
+    """A streamer that keeps what it is handed: each `put` (the prompt, then one token a put), then "end"."""
+
+    def __init__(self):
+        self.puts = []
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.puts.append("end")
+
+
+def streamed(model, ids, loop, **kwargs) -> list:
+    record = Record()
+    model.generate(ids, streamer=record, decode_loop=loop, **kwargs)
+    return record.puts
+
+
 def test_streamer_sees_what_generate_streams(models):
     model, ids = models["paper"], prompt()
-    eos = ends_at(model, ids, 18)
-
-    class Record:
-        def __init__(self):
-            self.puts = []
-
-        def put(self, value):
-            self.puts.append(value.tolist())
-
-        def end(self):
-            self.puts.append("end")
-
-    records = []
-    for loop in (None, "eager"):
-        record = Record()
-        model.generate(ids, max_new_tokens=40, eos_token_id=eos, streamer=record, decode_loop=loop, **GREEDY)
-        records.append(record.puts)
+    kwargs = {"max_new_tokens": 40, "eos_token_id": ends_at(model, ids, 18), **GREEDY}
+    records = [streamed(model, ids, loop, **kwargs) for loop in (None, "eager")]
     assert records[0] == records[1]
     assert records[0][-1] == "end" and 1 + 9 + 1 < len(records[0]) < 1 + 40 + 1  # the prompt, tokens, the end
 
@@ -514,6 +519,26 @@ def test_compiled_loop_samples_at_the_temperature_asked_for():
     torch.manual_seed(2)
     fitted = fitted_temperature(tiny("paper", seed=2), prompt(1, 5, seed=6), 0.8, "compiled")
     assert fitted == pytest.approx(0.8, abs=0.04)
+
+
+@compiles
+def test_compiled_loop_applies_the_penalties_and_streams_as_generate():
+    """The penalties read the sequence buffer the compiled step writes in place, and the streamer reads it after
+    each block: with the repetition, presence and frequency penalties (two rows; then one row with a streamer,
+    ending at an end token inside a later block), generate()'s tokens and generate()'s puts, from the compiled
+    step (not the uncompiled fallback)."""
+    model, ids = tiny("gpt2", seed=3), prompt(2, 6, seed=4)
+    processors = LogitsProcessorList([PresencePenaltyLogitsProcessor(1.5), FrequencyPenaltyLogitsProcessor(0.4)])
+    kwargs = {"max_new_tokens": 40, "eos_token_id": None, "repetition_penalty": 1.8, **GREEDY}
+    expected = model.generate(ids, logits_processor=processors, **kwargs)
+    assert not torch.equal(expected, model.generate(ids, **kwargs | {"repetition_penalty": None}))
+    assert torch.equal(model.generate(ids, logits_processor=processors, decode_loop="compiled", **kwargs), expected)
+    one, penalties = ids[:1], {"logits_processor": processors, "repetition_penalty": 1.8}
+    penalised = {**kwargs, "logits_processor": processors, "eos_token_id": ends_at(model, one, 24, **penalties)}
+    records = [streamed(model, one, loop, **penalised) for loop in (None, "compiled")]
+    assert records[1] == records[0]
+    assert 1 + 12 + 1 < len(records[0]) < 1 + 40 + 1, "ended inside a later block"
+    assert "cpu" in model._decode_loop_steps and not model.__dict__.get("_decode_loop_uncompiled")
 
 
 @compiles
