@@ -105,8 +105,14 @@ def test_a_folder_setting_the_loop_cannot_run_is_one_line(ngram_folder, capsys):
     assert "NoRepeatNGramLogitsProcessor" in line and "--decode-loop" in line
 
 
-def test_deriv_serve_refuses_such_a_folder_before_it_listens(ngram_folder, capsys):
+def test_deriv_serve_refuses_such_a_folder_before_it_listens(ngram_folder, capsys, monkeypatch):
     pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'deriv-lm[serve]')")
+    from deriv_lm.serving import server
+
+    def served(*args, **kwargs):  # a serve that got this far would answer forever: fail instead of hanging
+        raise AssertionError("deriv serve started serving a folder the loop cannot serve")
+
+    monkeypatch.setattr(server, "run_server", served)
     sock = listen("127.0.0.1", 0)  # a free port
     port = str(sock.getsockname()[1])
     sock.close()
