@@ -532,7 +532,8 @@ PLANTED_READS = {
     "to cpu": 'x.to("cpu")',
     "to device=cpu": 'x.to(device="cpu")',
     "mask index": "x[m]",
-    "mask assignment": "x[m] = 0.0",
+    # subtle: a tensor value, not `x[m] = 0.0`, which torch 2.15 turns into masked_fill_ (no wait, not counted)
+    "mask assignment": "x[m] = torch.ones(())",
     "nonzero": "torch.nonzero(m)",
     "where of a mask": "torch.where(m)",
     "masked_select": "x.masked_select(m)",
