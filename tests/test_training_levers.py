@@ -662,3 +662,17 @@ def test_an_id_in_the_padding_rows_is_refused_on_the_cpu_too():
         model(torch.tensor([[5, vocab]]))
     with pytest.raises(ValueError, match=rf"Token id {vocab} is outside the vocabulary"):
         model.generate(torch.tensor([[5, vocab]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def test_the_runs_samples_fit_a_context_the_prompt_alone_fills(tiny_tokenizer):
+    """--context-length 4 --samples 3: each sample prompt (about ten ids here) is cut to its last ids and the
+    continuation fits what is left, so the end-of-run samples never generate past the last position (which
+    raised "Position 16 is past the end" at --context-length 16)."""
+    from deriv_lm.training import TrainingArguments
+    from deriv_lm.training.lm import SAMPLE_PROMPTS, LanguageModelTask
+
+    args = TrainingArguments(max_position_embeddings=4, samples=3, vocab_size=300, output_dir="unused")
+    model = make_model(max_position_embeddings=4, vocab_size=len(tiny_tokenizer))
+    assert all(len(tiny_tokenizer(p)["input_ids"]) > 4 for p in SAMPLE_PROMPTS)
+    lines = LanguageModelTask(args).samples(model, tiny_tokenizer)
+    assert len(lines) == 3 and all(line.startswith("--- sample: ") for line in lines)

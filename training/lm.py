@@ -166,7 +166,11 @@ class LanguageModelTask(Task):
         lines = []
         for prompt in SAMPLE_PROMPTS[: self.args.samples]:
             inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-            out = model.generate(**inputs, max_new_tokens=min(40, self.args.max_position_embeddings // 2))
+            context = self.args.max_position_embeddings
+            # subtle: at a tiny --context-length the prompt alone may fill half of it: prompt + new ids fit it
+            ids = inputs["input_ids"][:, -(context - 1) :]
+            inputs = {"input_ids": ids, "attention_mask": inputs["attention_mask"][:, -(context - 1) :]}
+            out = model.generate(**inputs, max_new_tokens=max(1, min(40, context // 2, context - ids.shape[1])))
             lines.append(f"--- sample: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
         return lines
 
