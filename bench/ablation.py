@@ -23,8 +23,11 @@ default corpus, 16 x 128 tokens a step, its schedule and step budget):
     untied     + tie_word_embeddings=False: the output projection its own matrix (d x V more parameters)
     zero_init  + zero_init_output_projections=True: W^O, W_2 and the head start at zero
     softcap    + final_logit_softcapping=15: logits = 15 tanh(z / 15) (Gemma 2; modded-nanogpt)
-    muon       + optimizer=muon: Muon on the blocks' matrices, AdamW on the rest (torch.optim.Muon)
     wsd        + lr_schedule=wsd: warmup, a flat peak, a linear decay over the last 20% (the speedrun's trapezoid)
+    muon       + optimizer=muon: Muon on the blocks' matrices, AdamW on the rest (torch.optim.Muon)
+
+Muon comes last: it is the one change with a price per step (its Newton-Schulz iteration costs per matrix, not
+per token), so the step before it is the best the changes do with AdamW alone, at the paper's cost per step.
 
 Each (step, seed) is one run of `train_lm`, the code `deriv train lm` runs, with `--seed SEED` (which seeds the
 initialisation, the data order, dropout, the validation split and so the tokenizer alike). For each step the table
@@ -79,7 +82,7 @@ from .report import check_json_path, entry_point, markdown_table
 
 STEPS = (
     *("paper", "pre_norm", "rotary", "rms_norm", "swiglu", "gqa"),
-    *("qk_norm", "relu2", "untied", "zero_init", "softcap", "muon", "wsd"),
+    *("qk_norm", "relu2", "untied", "zero_init", "softcap", "wsd", "muon"),
 )
 TITLES = {
     "paper": "the paper's decoder",
@@ -93,8 +96,8 @@ TITLES = {
     "untied": "+ untied head",
     "zero_init": "+ zero-init projections",
     "softcap": "+ logit soft cap",
-    "muon": "+ Muon",
     "wsd": "+ warmup-stable-decay",
+    "muon": "+ Muon",
 }
 SOFT_CAP = 15.0  # modded-nanogpt's (Gemma 2 uses 30): at 30 the tiny model's logits (|z| < 20) would barely feel it
 HELD_OUT_PACKAGES = ("idlelib", "tkinter")  # standard-library folders the default corpus skips
@@ -146,8 +149,8 @@ def speedrun_changes(step: str, base: dict) -> dict:
         "untied": {"tie_word_embeddings": False},
         "zero_init": {"zero_init_output_projections": True},
         "softcap": {"final_logit_softcapping": SOFT_CAP},
-        "muon": {"optimizer": "muon"},
         "wsd": {"lr_schedule": "wsd"},
+        "muon": {"optimizer": "muon"},
     }
     if step in changes:
         return changes[step]

@@ -50,8 +50,8 @@ CLAIMED = {
     "untied": {"tie_word_embeddings": False},
     "zero_init": {"zero_init_output_projections": True},
     "softcap": {"final_logit_softcapping": 15.0},
-    "muon": {"optimizer": "muon"},
     "wsd": {"lr_schedule": "wsd"},
+    "muon": {"optimizer": "muon"},
 }
 TRAINING_SWITCHES = {"optimizer", "lr_schedule"}  # in run.json's arguments, not in config.json
 

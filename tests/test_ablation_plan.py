@@ -43,7 +43,8 @@ def test_the_plan_sweeps_on_the_first_seed_then_runs_each_other_seed_at_the_chos
 def test_the_sweep_moves_muons_rate_once_the_step_trains_with_muon():
     base = ablation.base_settings("tiny")
     base = {**base, "muon_learning_rate": 0.02} if "muon_learning_rate" not in base else base
-    assert ablation.swept_rate(ablation.step_overrides("wsd", base)) == "muon_learning_rate"
+    assert ablation.swept_rate(ablation.step_overrides("muon", base)) == "muon_learning_rate"
+    assert ablation.swept_rate(ablation.step_overrides("wsd", base)) == "learning_rate"  # before Muon
     assert ablation.swept_rate(ablation.step_overrides("softcap", base)) == "learning_rate"
     values = ablation.training_values("muon", 0, base, "unused", multiplier=2.0)
     assert values["muon_learning_rate"] == 2 * base["muon_learning_rate"]
@@ -53,7 +54,7 @@ def test_the_sweep_moves_muons_rate_once_the_step_trains_with_muon():
 def test_muons_steps_sweep_their_own_grid():
     base = ablation.base_settings("tiny")
     grids = ablation.grids_of(["paper", "softcap", "muon", "wsd"], base, [1.0, 2.0, 4.0], [0.5, 1.0, 2.0])
-    assert grids == {"paper": [1, 2, 4], "softcap": [1, 2, 4], "muon": [0.5, 1, 2], "wsd": [0.5, 1, 2]}
+    assert grids == {"paper": [1, 2, 4], "softcap": [1, 2, 4], "muon": [0.5, 1, 2], "wsd": [1, 2, 4]}
     assert ablation.grids_of(["muon"], base, [1.0, 2.0], None) == {"muon": [1.0, 2.0]}  # default: --lr-grid's
 
 
@@ -86,7 +87,7 @@ def test_a_diverged_run_is_never_the_sweeps_choice_and_the_table_says_so():
 
 
 def test_the_step_timing_runs_each_steps_own_optimizer(monkeypatch):
-    """The table's s/step: the Muon steps' timed steps go through Muon (two of warm-up, then one per repeat), the
+    """The table's s/step: the Muon step's timed steps go through Muon (two of warm-up, then one per repeat), the
     AdamW steps' do not."""
     from deriv_lm.training import optim
 
@@ -99,7 +100,7 @@ def test_the_step_timing_runs_each_steps_own_optimizer(monkeypatch):
     base.update(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32)
     seconds = ablation.step_seconds(["paper", "softcap", "muon", "wsd"], base, repeats=3, cpu=True)
     assert set(seconds) == {"paper", "softcap", "muon", "wsd"} and all(s > 0 for s in seconds.values())
-    assert len(calls) == 2 * (2 + 3)
+    assert len(calls) == 2 + 3  # the muon step's; wsd (before it) trains with AdamW
 
 
 def test_relu2_replaces_swiglu_with_the_papers_feed_forward():
