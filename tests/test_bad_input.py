@@ -181,8 +181,8 @@ UNKNOWN = "unrecognized arguments: "  # argparse's line for a flag the command d
 
 TOKENIZER_TRAIN = [
     (["--files", "{missing}"], "No such file or folder: {missing}"),
-    (["--files", "{empty}"], "The corpus is empty: no document had any text"),
-    (["--files", "{blank}"], "The corpus is empty: no document had any text"),
+    (["--files", "{empty}"], "The corpus is empty ({empty}: no document has any text)"),
+    (["--files", "{blank}"], "The corpus is empty ({blank}: no document has any text)"),
     (["--files", "{latin1}"], "{latin1}: not valid UTF-8 at byte 2"),
     (["--files", "{emptydir}"], "No .txt/.jsonl/.json/.csv/.parquet files found in {emptydir}"),
     (["--files", "{nocol}"], "{nocol}: no column 'text'; the columns are ['body']"),
@@ -670,7 +670,7 @@ VIZ_CASES = [
         ["picture", "temperature", "{missing_dir}", "hello", "--out", OUT],
         "argument folder: {missing_dir}: no such model folder",
     ),
-    (["picture", "curves", "{missing_dir}", "--out", OUT], "{missing_dir} has no metrics.jsonl"),
+    (["picture", "curves", "{missing_dir}", "--out", OUT], "{missing_dir}: no such folder"),
     (
         ["picture", "curves", "{emptydir}", "--out", OUT],
         "{emptydir} has no metrics.jsonl: it was not written by `deriv train`",

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..arguments import existing_folder, integer, invalid_text, number, plain_text
-from ..data.corpus import add_corpus_arguments, corpus_from_args
+from ..data.corpus import add_corpus_arguments, corpus_from_args, too_few_documents
 from ..errors import UsageError
 from .bpe import (
     LARGEST_VOCAB_SIZE,
@@ -90,6 +90,7 @@ def run_train(args: argparse.Namespace) -> int:
     check_target(args.out, "--out", allow_existing=args.allow_existing_files)
     check_no_collision(args.out, TOKENIZER_FILES, "--out")
     corpus = corpus_from_args(args)
+    too_few_documents(corpus, 1, "to learn merges from")  # an empty file is named, as deriv train names it
     special = special_tokens_with(args.special_token)
     tokenizer, summary = train_bpe(corpus, args.vocab_size, special, progress=not args.no_progress)
     # measured before the folder is written, so that writing it is the last thing the command does: a Ctrl-C while

@@ -123,6 +123,8 @@ def temperature(
 def curves(folder: str, path: str) -> str:
     """The training and validation loss the trainer logged in `metrics.jsonl`, drawn again."""
     metrics = os.path.join(folder, "metrics.jsonl")
+    if not os.path.isdir(folder):
+        raise MissingFile(f"{folder}: no such folder")
     if not os.path.isfile(metrics):
         raise MissingFile(f"{folder} has no metrics.jsonl: it was not written by `deriv train`")
     with open(metrics, encoding="utf-8") as f:
