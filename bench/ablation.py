@@ -2,7 +2,7 @@
 
     deriv bench ablation                                    # every step x seeds 0,1,2, the tiny preset's 600 steps
     deriv bench ablation --lr-grid 0.5,1,2                  # each step's learning rate chosen from three
-    deriv bench ablation --lr-grid 1,2,4 --muon-lr-grid 0.5,1,2 --jobs 2   # Muon's rate its own grid; 2 at a time
+    deriv bench ablation --lr-grid 1,2,4 --muon-lr-grid 0.5,1,2 --lr-widen 2 --jobs 2   # past an edge; 2 at a time
     deriv bench ablation --steps paper,swiglu --seeds 0     # a subset (each step still keeps the changes above it)
     deriv bench ablation --json ablation.json --plot docs/images/ablation.png
 
@@ -45,6 +45,7 @@ or `muon_learning_rate` once the step trains with Muon) by each multiplier on th
 validation perplexity picks the step's learning rate, which the other seeds then use. The sweep is in the table,
 so no change loses for want of its own learning rate. (Default `1`: the preset's learning rate, no sweep.)
 `--muon-lr-grid` gives Muon's steps a grid of their own (its rate is a different quantity: the RMS of an update).
+`--lr-widen N` goes past the grid where a step's best run sits at its edge, a multiplier at a time, up to N.
 A run whose loss diverges is a result of the sweep (recorded as diverged, never chosen), not a failure of it.
 
 Validation is the run's own: the 5% of documents its seed holds out, evaluated every `--eval-every` steps (50 by
@@ -478,6 +479,26 @@ def chosen_multiplier(results: dict, step: str, seed: int, grid: list[float]) ->
     return min(runs, key=perplexity_of)["lr_multiplier"]
 
 
+def sweep_of(results: dict, step: str, seed: int, grid: list[float], widen: int) -> tuple[list[float], bool]:
+    """(the multipliers of `step`'s sweep, whether it is complete): `grid`, and while the best run so far sits at
+    the grid's top or bottom edge, one more multiplier past that edge (the grid's own ratio), up to `widen` times;
+    complete once every run of it is in and its best is inside or it may widen no more. A change that moves the
+    best learning rate past the grid (QK-norm bounds the attention scores, and takes a larger one) is then not
+    held back by the grid's edge."""
+    multipliers = list(grid)
+    for _ in range(widen + 1):
+        best = chosen_multiplier(results, step, seed, multipliers)
+        if best is None:
+            return multipliers, False
+        if len(multipliers) < 2 or multipliers[0] < best < multipliers[-1] or len(multipliers) == len(grid) + widen:
+            return multipliers, True
+        if best == multipliers[-1]:
+            multipliers.append(multipliers[-1] * multipliers[-1] / multipliers[-2])
+        else:
+            multipliers.insert(0, multipliers[0] * multipliers[0] / multipliers[1])
+    return multipliers, True
+
+
 def grids_of(steps: list[str], base: dict, lr_grid: list[float], muon_grid: list[float] | None) -> dict:
     """{step: the multipliers of its sweep}: `muon_grid` (else `lr_grid`) for a step that trains with Muon, whose
     swept rate is Muon's, `lr_grid` for the others."""
@@ -749,6 +770,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the multipliers of Muon's learning rate for the steps that train with Muon (default: --lr-grid's)",
     )
     parser.add_argument(
+        "--lr-widen",
+        type=integer(minimum=0),
+        default=0,
+        metavar="N",
+        help="when a step's best run is at its grid's top or bottom edge, try one more multiplier past it (the "
+        "grid's ratio), up to N more runs a step (default 0: the grid alone)",
+    )
+    parser.add_argument(
         "--jobs",
         type=integer(minimum=1),
         default=1,
@@ -774,22 +803,25 @@ def run_folder(output_dir: str, step: str, seed: int, multiplier: float) -> str:
     return os.path.join(output_dir, f"{step}-seed{seed}{suffix}")
 
 
-def planned_runs(results: dict, steps: list[str], seeds: list[int], grids: dict):
-    """(step, seed, multiplier) in order: the sweep on the first seed (each step at each multiplier of its grid),
-    then each other seed at each step's chosen multiplier (None until the step's sweep is all in: `results` grows
-    as the runs finish)."""
+def planned_runs(results: dict, steps: list[str], seeds: list[int], grids: dict, widen: int = 0):
+    """(step, seed, multiplier) in order: the sweep on the first seed (each step at each multiplier of its grid,
+    widened past an edge that holds the best, `sweep_of`), then each other seed at each step's chosen multiplier
+    (None until the step's sweep is complete: `results` grows as the runs finish)."""
     for step in steps:
-        for multiplier in grids[step]:
+        for multiplier in sweep_of(results, step, seeds[0], grids[step], widen)[0]:
             yield step, seeds[0], multiplier
     for seed in seeds[1:]:
         for step in steps:
-            yield step, seed, chosen_multiplier(results, step, seeds[0], grids[step])
+            sweep, complete = sweep_of(results, step, seeds[0], grids[step], widen)
+            yield step, seed, chosen_multiplier(results, step, seeds[0], sweep) if complete else None
 
 
-def ready_runs(results: dict, running, steps: list[str], seeds: list[int], grids: dict, free: int) -> list:
+def ready_runs(
+    results: dict, running, steps: list[str], seeds: list[int], grids: dict, free: int, widen: int = 0
+) -> list:
     """The next `free` planned runs that can start now: not finished, not running, their learning rate known."""
     ready = []
-    for step, seed, multiplier in planned_runs(results, steps, seeds, grids):
+    for step, seed, multiplier in planned_runs(results, steps, seeds, grids, widen):
         if multiplier is not None and run_key(step, seed, multiplier) not in {*results, *running}:
             ready.append((step, seed, multiplier))
     return ready[:free]
@@ -843,7 +875,7 @@ def run_all(args: argparse.Namespace, base: dict, documents: list[str], path: st
     """Every planned run not in the results file yet, `args.jobs` at a time; the file rewritten after each. A run
     that fails stops new ones; those running finish and are kept before the failure is raised."""
     results = read_results(path, identity)
-    for step, seed, multiplier in planned_runs(results, args.steps, args.seeds, grids):
+    for step, seed, multiplier in planned_runs(results, args.steps, args.seeds, grids, args.lr_widen):
         if multiplier is not None and run_key(step, seed, multiplier) in results:
             print(f"{run_key(step, seed, multiplier)}: done earlier, skipped")
     running: dict[str, Future] = {}
@@ -851,7 +883,8 @@ def run_all(args: argparse.Namespace, base: dict, documents: list[str], path: st
     with executor(args.jobs) as pool:
         while True:
             free = 0 if failure else args.jobs - len(running)
-            for step, seed, multiplier in ready_runs(results, running, args.steps, args.seeds, grids, free):
+            ready = ready_runs(results, running, args.steps, args.seeds, grids, free, args.lr_widen)
+            for step, seed, multiplier in ready:
                 folder = run_folder(args.output_dir, step, seed, multiplier)
                 running[run_key(step, seed, multiplier)] = pool.submit(
                     one_run, step, seed, multiplier, base, folder, documents, args.cpu
@@ -888,7 +921,8 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     grids = grids_of(args.steps, base, args.lr_grid, args.muon_lr_grid)
     results = run_all(args, base, documents, os.path.join(args.output_dir, RESULTS), identity, grids)
-    rows = summarize(results, args.steps, args.seeds, base, grids)
+    sweeps = {step: sweep_of(results, step, args.seeds[0], grids[step], args.lr_widen)[0] for step in args.steps}
+    rows = summarize(results, args.steps, args.seeds, base, sweeps)
     if args.step_repeats:
         seconds = step_seconds(args.steps, base, args.step_repeats, args.cpu)
         for row in rows:

@@ -213,6 +213,7 @@ def test_a_second_run_skips_the_finished_runs(ablated, setup, monkeypatch, capsy
         (["--eval-every", "0"], "must be an integer"),
         (["--muon-lr-grid", "0,1"], "distinct positive numbers"),
         (["--jobs", "0"], "--jobs: must be an integer >= 1"),
+        (["--lr-widen", "-1"], "--lr-widen: must be an integer >= 0"),
         (["--step-repeats", "-1"], "--step-repeats: must be an integer >= 0"),
     ],
 )

@@ -166,3 +166,33 @@ def test_runs_from_before_a_new_training_argument_are_kept_when_it_is_at_its_def
     saved_results(path, {**earlier, "held_out": "other text"})
     with pytest.raises(UsageError, match="other settings"):
         ablation.read_results(str(path), identity)
+
+
+def test_a_sweep_whose_best_is_at_an_edge_widens_past_it_up_to_the_limit():
+    """--lr-widen: the best at the top edge adds the next multiplier up (the grid's ratio), at the bottom the next
+    down; complete once the best is inside or the limit is reached; the other seeds wait until then."""
+    grid, results = [1.0, 2.0, 4.0], {}
+
+    def ran(m, p):
+        results[ablation.run_key("qk_norm", 0, m)] = record("qk_norm", 0, m, p)
+
+    assert ablation.sweep_of(results, "qk_norm", 0, grid, 2) == ([1.0, 2.0, 4.0], False)
+    for m, p in ((1.0, 103.5), (2.0, 72.1), (4.0, 67.9)):
+        ran(m, p)
+    assert ablation.sweep_of(results, "qk_norm", 0, grid, 0) == ([1.0, 2.0, 4.0], True)  # no widening: the grid
+    assert ablation.sweep_of(results, "qk_norm", 0, grid, 2) == ([1.0, 2.0, 4.0, 8.0], False)
+    plan = list(ablation.planned_runs(results, ["qk_norm"], [0, 1], {"qk_norm": grid}, widen=2))
+    assert plan[-2:] == [("qk_norm", 0, 8.0), ("qk_norm", 1, None)]  # seed 1 waits for the wider sweep
+    ran(8.0, 66.0)
+    assert ablation.sweep_of(results, "qk_norm", 0, grid, 2) == ([1.0, 2.0, 4.0, 8.0, 16.0], False)
+    ran(16.0, 70.0)
+    assert ablation.sweep_of(results, "qk_norm", 0, grid, 2) == ([1.0, 2.0, 4.0, 8.0, 16.0], True)
+    assert ablation.ready_runs(results, {}, ["qk_norm"], [0, 1], {"qk_norm": grid}, 2, widen=2) == [
+        ("qk_norm", 1, 8.0)
+    ]
+    results.clear()
+    for m, p in ((1.0, 60.0), (2.0, 72.1), (4.0, 80.0)):
+        ran(m, p)
+    assert ablation.sweep_of(results, "qk_norm", 0, grid, 1) == ([0.5, 1.0, 2.0, 4.0], False)  # the bottom edge
+    ran(0.5, 50.0)
+    assert ablation.sweep_of(results, "qk_norm", 0, grid, 1) == ([0.5, 1.0, 2.0, 4.0], True)  # the limit
