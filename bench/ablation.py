@@ -5,6 +5,7 @@
     deriv bench ablation --lr-grid 1,2,4 --muon-lr-grid 0.5,1,2 --lr-widen 2 --jobs 2   # past an edge; 2 at a time
     deriv bench ablation --steps paper,swiglu --seeds 0     # a subset (each step still keeps the changes above it)
     deriv bench ablation --json ablation.json --plot docs/images/ablation.png
+    deriv bench ablation --presets speedrun-tiny            # + a row for a preset as it ships, at the same seeds
 
 The steps are cumulative overrides of the main job's settings (`make train`: the tiny preset, the embedded
 default corpus, 16 x 128 tokens a step, its schedule and step budget):
@@ -24,10 +25,18 @@ default corpus, 16 x 128 tokens a step, its schedule and step budget):
     zero_init  + zero_init_output_projections=True: W^O, W_2 and the head start at zero
     softcap    + final_logit_softcapping=15: logits = 15 tanh(z / 15) (Gemma 2; modded-nanogpt)
     wsd        + lr_schedule=wsd: warmup, a flat peak, a linear decay over the last 20% (the speedrun's trapezoid)
+    no_dropout + dropout=0: the speedrun reads each token once and needs none; the main job reads its corpus 2.5
+               times, and dropout's random masks cost a CPU step its share
     muon       + optimizer=muon: Muon on the blocks' matrices, AdamW on the rest (torch.optim.Muon)
 
 Muon comes last: it is the one change with a price per step (its Newton-Schulz iteration costs per matrix, not
 per token), so the step before it is the best the changes do with AdamW alone, at the paper's cost per step.
+
+`--presets NAME,...` adds a row for each named preset after the steps: not cumulative, but the preset's own
+recipe (every value where it differs from the preset the ablation starts from, its learning rate included) over
+the ablation's settings, at the same seeds and budget (`--max-steps`, `--eval-every`), with no sweep: its learning
+rate is the one the sweeps chose for it. From `--preset tiny` without `--config`, the row is `deriv train lm
+--preset NAME` itself, measured beside the steps it was chosen from.
 
 Each (step, seed) is one run of `train_lm`, the code `deriv train lm` runs, with `--seed SEED` (which seeds the
 initialisation, the data order, dropout, the validation split and so the tokenizer alike). For each step the table
@@ -83,7 +92,7 @@ from .report import check_json_path, entry_point, markdown_table
 
 STEPS = (
     *("paper", "pre_norm", "rotary", "rms_norm", "swiglu", "gqa"),
-    *("qk_norm", "relu2", "untied", "zero_init", "softcap", "wsd", "muon"),
+    *("qk_norm", "relu2", "untied", "zero_init", "softcap", "wsd", "no_dropout", "muon"),
 )
 TITLES = {
     "paper": "the paper's decoder",
@@ -98,8 +107,11 @@ TITLES = {
     "zero_init": "+ zero-init projections",
     "softcap": "+ logit soft cap",
     "wsd": "+ warmup-stable-decay",
+    "no_dropout": "- dropout",
     "muon": "+ Muon",
 }
+PRESET_ROW = "preset-"  # a --presets row's name: preset-NAME
+BUDGET = ("max_steps", "eval_every")  # the ablation's own flags: every row trains the same budget
 SOFT_CAP = 15.0  # modded-nanogpt's (Gemma 2 uses 30): at 30 the tiny model's logits (|z| < 20) would barely feel it
 HELD_OUT_PACKAGES = ("idlelib", "tkinter")  # standard-library folders the default corpus skips
 RESULTS = "ablation.json"
@@ -151,10 +163,13 @@ def speedrun_changes(step: str, base: dict) -> dict:
         "zero_init": {"zero_init_output_projections": True},
         "softcap": {"final_logit_softcapping": SOFT_CAP},
         "wsd": {"lr_schedule": "wsd"},
+        "no_dropout": {"dropout": 0.0},
         "muon": {"optimizer": "muon"},
     }
     if step in changes:
         return changes[step]
+    if step.startswith(PRESET_ROW):
+        return preset_changes(step[len(PRESET_ROW) :], base)
     raise UsageError(f"unknown ablation step {step!r}; choose from {', '.join(STEPS)}")
 
 
@@ -188,8 +203,32 @@ def check_paper_base(base: dict) -> None:
         )
 
 
+def preset_changes(name: str, base: dict) -> dict:
+    """A --presets row's overrides: every value of preset `name` that differs from the preset the ablation starts
+    from (`base["preset"]`), but the budget, which is the ablation's."""
+    from ..training.args import PRESETS, TrainingArguments
+
+    if name not in PRESETS:
+        raise UsageError(f"unknown preset {name!r} in --presets; choose from {', '.join(sorted(PRESETS))}")
+    start, target = (TrainingArguments(**PRESETS[p]).to_dict() for p in (base["preset"], name))
+    return {k: v for k, v in target.items() if k in base and k not in BUDGET and v != start[k]}
+
+
+def title_of(step: str) -> str:
+    if step.startswith(PRESET_ROW):
+        return f"the {step[len(PRESET_ROW) :]} preset"
+    return TITLES[step]
+
+
+def order_of(step: str) -> tuple:
+    """Where a row goes: the steps in the ablation's order, then the preset rows by name."""
+    return (len(STEPS), step) if step.startswith(PRESET_ROW) else (STEPS.index(step), "")
+
+
 def step_overrides(step: str, base: dict) -> dict:
-    """Every override of `step`: its own and those of all the steps before it."""
+    """Every override of `step`: its own and those of all the steps before it (a preset row: its own alone)."""
+    if step.startswith(PRESET_ROW):
+        return own_changes(step, base)
     overrides: dict = {}
     for name in STEPS[: STEPS.index(step) + 1]:
         overrides.update(own_changes(name, base))
@@ -203,13 +242,13 @@ def swept_rate(overrides: dict) -> str:
 
 def training_values(step: str, seed: int, base: dict, folder: str, multiplier: float = 1.0) -> dict:
     """The training arguments of one (step, seed) run: the base settings, the step's overrides, the seed, and the
-    swept learning rate times `multiplier`."""
+    swept learning rate (a preset row's own, else the base's) times `multiplier`."""
     overrides = step_overrides(step, base)
     rate = swept_rate(overrides)
     return {
         **base,
         **overrides,
-        rate: base[rate] * multiplier,
+        rate: overrides.get(rate, base[rate]) * multiplier,
         "seed": seed,
         "output_dir": folder,
         "samples": 0,  # generated text is not measured here
@@ -220,6 +259,12 @@ def training_values(step: str, seed: int, base: dict, folder: str, multiplier: f
 def checked_arguments(step: str, base: dict):
     """The checked training arguments of `step` (a step the settings cannot take is refused here, by name)."""
     from ..training import TrainingArguments
+
+    if step == "no_dropout" and not base["dropout"]:
+        raise UsageError(
+            "the no_dropout step sets dropout to 0, and the settings already have dropout 0; leave no_dropout out of "
+            "--steps"
+        )
 
     return TrainingArguments(**training_values(step, 0, base, os.devnull))
 
@@ -381,7 +426,7 @@ def write_json(path: str, value) -> None:
 
 def write_results(path: str, identity: dict, results: dict) -> None:
     """The results file, rewritten whole after every run."""
-    runs = sorted(results.values(), key=lambda r: (STEPS.index(r["step"]), r["seed"], r["lr_multiplier"]))
+    runs = sorted(results.values(), key=lambda r: (order_of(r["step"]), r["seed"], r["lr_multiplier"]))
     write_json(path, {"format": FORMAT, "identity": identity, "runs": runs})
 
 
@@ -501,9 +546,11 @@ def sweep_of(results: dict, step: str, seed: int, grid: list[float], widen: int)
 
 def grids_of(steps: list[str], base: dict, lr_grid: list[float], muon_grid: list[float] | None) -> dict:
     """{step: the multipliers of its sweep}: `muon_grid` (else `lr_grid`) for a step that trains with Muon, whose
-    swept rate is Muon's, `lr_grid` for the others."""
+    swept rate is Muon's, `lr_grid` for the others; [1] for a preset row (its rate was chosen already)."""
     grid = {"learning_rate": lr_grid, "muon_learning_rate": muon_grid or lr_grid}
-    return {step: grid[swept_rate(step_overrides(step, base))] for step in steps}
+    return {
+        step: [1.0] if step.startswith(PRESET_ROW) else grid[swept_rate(step_overrides(step, base))] for step in steps
+    }
 
 
 def steps_to_reach(curve: list[list], target: float) -> int | None:
@@ -534,7 +581,7 @@ def summarize(results: dict, steps: list[str], seeds: list[int], base: dict, gri
         rows.append(
             {
                 "step": step,
-                "title": TITLES[step],
+                "title": title_of(step),
                 "changes": own_changes(step, base),
                 "overrides": runs[0]["overrides"],
                 "seeds": seeds,
@@ -709,6 +756,19 @@ def step_list(text: str) -> list[str]:
     return [step for step in STEPS if step in names]
 
 
+def preset_list(text: str) -> list[str]:
+    """An argparse type: comma-separated preset names, each known and once."""
+    from ..training.args import PRESETS
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PRESETS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"must be distinct presets from {','.join(sorted(PRESETS))}; got {text!r}"
+        )
+    return names
+
+
 def multiplier_list(text: str) -> list[float]:
     """An argparse type: comma-separated positive learning-rate multipliers, each once (0.5,1,2)."""
     try:
@@ -737,6 +797,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..training.args import DEFAULT_PRESET, PRESETS
 
     parser.add_argument("--steps", type=step_list, default=list(STEPS), help=f"a subset of {','.join(STEPS)}")
+    parser.add_argument(
+        "--presets",
+        type=preset_list,
+        default=[],
+        metavar="NAME,...",
+        help="also a row for each of these presets as it ships, at the same seeds and budget, no sweep",
+    )
     parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="the seeds of each step (default 0,1,2)")
     parser.add_argument(
         "--max-steps",
@@ -914,6 +981,7 @@ def run(args: argparse.Namespace) -> int:
         pyplot()  # a missing matplotlib is found now, not after hours of training
     base = base_settings(args.preset, args.config, args.max_steps, args.eval_every)
     check_paper_base(base)
+    args.steps = [*args.steps, *(PRESET_ROW + name for name in args.presets)]
     for step in args.steps:
         checked_arguments(step, base)  # a step the settings cannot take (gqa with odd heads) is refused now
     documents, description = held_out_text(args.held_out)

@@ -51,6 +51,7 @@ CLAIMED = {
     "zero_init": {"zero_init_output_projections": True},
     "softcap": {"final_logit_softcapping": 15.0},
     "wsd": {"lr_schedule": "wsd"},
+    "no_dropout": {"dropout": 0.0},
     "muon": {"optimizer": "muon"},
 }
 TRAINING_SWITCHES = {"optimizer", "lr_schedule"}  # in run.json's arguments, not in config.json
@@ -215,6 +216,9 @@ def test_a_second_run_skips_the_finished_runs(ablated, setup, monkeypatch, capsy
         (["--jobs", "0"], "--jobs: must be an integer >= 1"),
         (["--lr-widen", "-1"], "--lr-widen: must be an integer >= 0"),
         (["--step-repeats", "-1"], "--step-repeats: must be an integer >= 0"),
+        (["--presets", "bogus"], "--presets: must be distinct presets from"),
+        (["--presets", "tiny,tiny"], "--presets: must be distinct presets from"),
+        (["--presets", ","], "--presets: must be distinct presets from"),
     ],
 )
 def test_bad_flags_are_one_clear_line(flags, says, tmp_path, capsys):
@@ -225,6 +229,49 @@ def test_bad_flags_are_one_clear_line(flags, says, tmp_path, capsys):
     assert stop.value.code == 2 and len(lines) == 1 and says in lines[0], err
     assert "deriv: error:" in lines[0] or "error: argument" in lines[0]
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_no_dropout_on_settings_without_dropout_is_refused(tmp_path, capsys):
+    """A step that would change nothing is refused by name, before anything is written."""
+    config = tmp_path / "no-dropout.yaml"
+    config.write_text("dropout: 0.0\n")
+    argv = ["bench", "ablation", "--config", str(config), "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the no_dropout step sets dropout to 0, and the settings already have dropout 0" in err
+    assert len(err.splitlines()) == 1 and not os.path.exists(tmp_path / "out")
+
+
+def test_a_preset_row_trains_the_presets_own_recipe_at_the_same_seeds(setup, tmp_path):
+    """--presets llama-tiny beside a swept paper step: one more row, not cumulative, trained once per seed at its
+    own learning rate (no sweep), whose saved config differs from the paper step's in exactly the values llama-tiny
+    sets otherwise than tiny, and whose steps-to-paper are measured against the paper row of the same seed."""
+    _, argv = setup
+    out = tmp_path / "presets"
+    argv = [a if a != argv[argv.index("--output-dir") + 1] else str(out) for a in argv]
+    summary = tmp_path / "presets.json"
+    flags = ["--steps", "paper", "--presets", "llama-tiny", "--lr-grid", "1,2", "--json", str(summary)]
+    assert main([*argv, *flags, "--step-repeats", "1"]) == 0
+    runs = {(r["step"], r["lr_multiplier"]): r for r in json.loads((out / "ablation.json").read_text())["runs"]}
+    assert sorted(runs) == [("paper", 1.0), ("paper", 2.0), ("preset-llama-tiny", 1.0)]
+    from deriv_lm.training.args import PRESETS, TrainingArguments
+
+    tiny, llama = (TrainingArguments(**PRESETS[name]).to_dict() for name in ("tiny", "llama-tiny"))
+    recipe = {k: v for k, v in llama.items() if v != tiny[k] and k != "output_dir"}
+    assert recipe and "pre_norm" in recipe  # the preset does differ from tiny
+    config = DerivConfig.from_pretrained(out / "preset-llama-tiny-seed0").to_dict()
+    paper = DerivConfig.from_pretrained(out / "paper-seed0").to_dict()
+    differs = {k: config[k] for k in config if k not in ("_name_or_path",) and config[k] != paper.get(k)}
+    assert differs == {k: v for k, v in recipe.items() if k in paper and paper[k] != v}
+    assert runs[("preset-llama-tiny", 1.0)]["learning_rate"] == recipe.get("learning_rate", TINY["learning_rate"])
+    rows = {row["step"]: row for row in json.loads(summary.read_text())["rows"]}
+    assert list(rows) == ["paper", "preset-llama-tiny"] and rows["preset-llama-tiny"]["title"] == "the llama-tiny preset"
+    paper_run = min((runs[("paper", m)] for m in (1.0, 2.0)), key=lambda r: r["val_perplexity"])
+    own = runs[("preset-llama-tiny", 1.0)]
+    assert rows["preset-llama-tiny"]["steps_to_paper"] == [
+        ablation.steps_to_reach(own["curve"], paper_run["val_perplexity"])
+    ]
+    assert rows["preset-llama-tiny"]["sweep"] == [[own["learning_rate"], own["val_perplexity"]]]
 
 
 def test_a_preset_past_the_paper_is_refused(tmp_path, capsys):
