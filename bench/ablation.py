@@ -763,9 +763,7 @@ def preset_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in PRESETS]
     if unknown or not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"must be distinct presets from {','.join(sorted(PRESETS))}; got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"must be distinct presets from {','.join(sorted(PRESETS))}; got {text!r}")
     return names
 
 

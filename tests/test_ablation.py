@@ -265,7 +265,8 @@ def test_a_preset_row_trains_the_presets_own_recipe_at_the_same_seeds(setup, tmp
     assert differs == {k: v for k, v in recipe.items() if k in paper and paper[k] != v}
     assert runs[("preset-llama-tiny", 1.0)]["learning_rate"] == recipe.get("learning_rate", TINY["learning_rate"])
     rows = {row["step"]: row for row in json.loads(summary.read_text())["rows"]}
-    assert list(rows) == ["paper", "preset-llama-tiny"] and rows["preset-llama-tiny"]["title"] == "the llama-tiny preset"
+    assert list(rows) == ["paper", "preset-llama-tiny"]
+    assert rows["preset-llama-tiny"]["title"] == "the llama-tiny preset"
     paper_run = min((runs[("paper", m)] for m in (1.0, 2.0)), key=lambda r: r["val_perplexity"])
     own = runs[("preset-llama-tiny", 1.0)]
     assert rows["preset-llama-tiny"]["steps_to_paper"] == [
