@@ -257,6 +257,29 @@ def test_a_llama_preset_is_its_twin_with_the_llama_switches(llama, twin, kv_head
     assert ours["intermediate_size"] % 32 == 0
 
 
+# what makes a preset the main job's: its model's size and its data and token budget (the recipe may differ)
+MAIN_JOB_SHAPE_AND_BUDGET = (
+    *("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings", "vocab_size"),
+    *("batch_size", "gradient_accumulation_steps", "max_steps", "warmup_steps", "seed", "files", "dataset"),
+    *("validation_fraction", "validation_documents", "eval_batches", "tokenizer_sample", "mixed_precision"),
+)
+
+
+def test_the_speedrun_preset_is_the_main_job_with_another_recipe():
+    """speedrun-tiny (the ablation's best, docs/results.md) trains tiny's model size on tiny's data and token budget:
+    only the architecture, the learning rate, the schedule and dropout differ, so its comparison with the paper's
+    decoder is at equal tokens; and its feed-forward stays within 2% of tiny's parameters."""
+    ours, tiny = (parse(["--preset", name])[0].to_dict() for name in ("speedrun-tiny", "tiny"))
+    assert {name: ours[name] for name in MAIN_JOB_SHAPE_AND_BUDGET} == {
+        name: tiny[name] for name in MAIN_JOB_SHAPE_AND_BUDGET
+    }
+    differ = {name for name in ours if ours[name] != tiny[name]} - {"preset", "output_dir"}
+    recipe = {"pre_norm", "position_embedding_type", "norm_type", "gated_mlp", "hidden_act", "intermediate_size"}
+    recipe |= {"num_key_value_heads", "qk_norm", "bias", "tie_word_embeddings", "learning_rate", "lr_schedule"}
+    assert differ <= recipe | {"dropout"} and differ >= recipe - {"dropout"}
+    assert 3 * ours["intermediate_size"] == pytest.approx(2 * tiny["intermediate_size"], rel=0.02)
+
+
 def test_context_length_is_an_alias_of_max_position_embeddings():
     for flag in ("--context-length", "--max-position-embeddings"):
         assert parse([flag, "64"])[0].max_position_embeddings == 64

@@ -393,6 +393,22 @@ def test_a_scaled_embedding_exports_to_an_untied_llama_with_the_same_logits_and_
     assert_same_tokens(native, model)
 
 
+def test_the_speedrun_tiny_preset_exports_to_qwen3_with_the_same_logits_and_tokens(tmp_path, tiny_tokenizer):
+    """The ablation's best preset is Qwen3's decoder (RMSNorm, SwiGLU, rotary, grouped-query attention, QK-norm,
+    no bias) with an untied head and the paper's sqrt(d): `deriv export --to qwen3` writes it exactly, the scale in
+    the input table, so the main job's model loads as the library's own Qwen3ForCausalLM."""
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    switches = preset_switches("speedrun-tiny")
+    assert switches["qk_norm"] and switches["scale_embedding"] and not switches["bias"]
+    assert not switches["tie_word_embeddings"] and switches["num_key_value_heads"] == 2
+    model, folder = deriv_folder(tmp_path / "deriv", tiny_tokenizer, **switches)
+    native = AutoModelForCausalLM.from_pretrained(export_model(folder, "qwen3", tmp_path / "native")).eval()
+    assert type(native) is Qwen3ForCausalLM and native.config.num_key_value_heads == 2
+    assert_same_logits(native, model)
+    assert_same_tokens(native, model)
+
+
 def test_a_scaled_folders_twin_imports_as_an_untied_unscaled_deriv_model_with_the_same_logits(
     tmp_path, tiny_tokenizer
 ):
