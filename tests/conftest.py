@@ -245,3 +245,13 @@ class ServerThread(ServerProcess):
         self.sock.close()
         logging.getLogger().removeHandler(self._handler)
         return 1 if self.thread.is_alive() else 0
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch's compile caches cleared: the compilations of the decode loop's step by earlier tests in this process
+    (other files compile it for their own models) count toward torch's recompile limit, past which the loop runs its
+    step uncompiled, and a test of the compiled step would test the fallback (test_decode_loop's `compiles`)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

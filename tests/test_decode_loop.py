@@ -485,7 +485,9 @@ def test_generating_past_the_position_table_is_named_not_a_device_assert(models,
 
 
 def compiles(test):
-    """Slow (a compile takes seconds), and needs the C++ compiler inductor builds CPU kernels with."""
+    """Slow (a compile takes seconds), needs the C++ compiler inductor builds CPU kernels with, and starts from
+    empty compile caches (`fresh_dynamo`)."""
+    test = pytest.mark.usefixtures("fresh_dynamo")(test)
     test = pytest.mark.slow(test)
     test = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="no C++ compiler")(
         test
