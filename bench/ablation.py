@@ -412,6 +412,19 @@ def only_new_defaults(then: dict, now: dict) -> bool:
     return all(k in defaults and new[k] == defaults[k] for k in set(new) - set(old))
 
 
+def stale_runs(results: dict, base: dict) -> list[str]:
+    """The recorded runs whose step now means other settings than they trained with (a preset file edited since,
+    a step inserted before theirs): to be trained again, not reused under a name that no longer describes them."""
+
+    def now(step: str) -> dict | None:
+        try:
+            return step_overrides(step, base)
+        except (UsageError, ValueError):  # a step or preset that no longer exists: nothing to compare
+            return None
+
+    return [k for k, r in results.items() if "overrides" in r and now(r["step"]) not in (None, r["overrides"])]
+
+
 def write_json(path: str, value) -> None:
     """`value` as a JSON file, whole or not at all: written under a temporary name beside it, then renamed."""
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.partial-{os.getpid()}")
@@ -940,6 +953,9 @@ def run_all(args: argparse.Namespace, base: dict, documents: list[str], path: st
     """Every planned run not in the results file yet, `args.jobs` at a time; the file rewritten after each. A run
     that fails stops new ones; those running finish and are kept before the failure is raised."""
     results = read_results(path, identity)
+    for key in stale_runs(results, base):
+        print(f"{key}: its step's settings changed since it ran; trained again")
+        del results[key]
     for step, seed, multiplier in planned_runs(results, args.steps, args.seeds, grids, args.lr_widen):
         if multiplier is not None and run_key(step, seed, multiplier) in results:
             print(f"{run_key(step, seed, multiplier)}: done earlier, skipped")

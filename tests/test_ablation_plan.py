@@ -196,3 +196,19 @@ def test_a_sweep_whose_best_is_at_an_edge_widens_past_it_up_to_the_limit():
     assert ablation.sweep_of(results, "qk_norm", 0, grid, 1) == ([0.5, 1.0, 2.0, 4.0], False)  # the bottom edge
     ran(0.5, 50.0)
     assert ablation.sweep_of(results, "qk_norm", 0, grid, 1) == ([0.5, 1.0, 2.0, 4.0], True)  # the limit
+
+
+def test_a_run_whose_steps_settings_changed_since_is_trained_again():
+    """A run is reused only while its step means what it trained with: an edited preset row, or a Muon run from
+    before no_dropout was inserted above it, is stale; an unchanged one is kept."""
+    base = ablation.base_settings("tiny")
+    run = {"seed": 0, "lr_multiplier": 1.0}
+    kept = {**run, "step": "wsd", "overrides": ablation.step_overrides("wsd", base)}
+    preset = ablation.step_overrides("preset-speedrun-tiny", base)
+    edited = {**run, "step": "preset-speedrun-tiny", "overrides": {**preset, "learning_rate": 9e-3}}
+    muon = ablation.step_overrides("muon", base)
+    before = {**run, "step": "muon", "overrides": {k: v for k, v in muon.items() if k != "dropout"}}
+    results = {"wsd/0/x1": kept, "preset-speedrun-tiny/0/x1": edited, "muon/0/x1": before}
+    assert ablation.stale_runs(results, base) == ["preset-speedrun-tiny/0/x1", "muon/0/x1"]
+    gone = {**run, "step": "preset-no-such-preset", "overrides": {}}  # nothing to compare it with: left alone
+    assert ablation.stale_runs({"x": gone, "wsd/0/x1": kept}, base) == []
