@@ -41,13 +41,14 @@ rate is the one the sweeps chose for it. From `--preset tiny` without `--config`
 Each (step, seed) is one run of `train_lm`, the code `deriv train lm` runs, with `--seed SEED` (which seeds the
 initialisation, the data order, dropout, the validation split and so the tokenizer alike). For each step the table
 gives the parameters, the KV-cache bytes per token (2 x layers x kv_heads x head_dim x 4, fp32), validation and
-held-out perplexity as the mean and sample standard deviation over the seeds (the JSON adds min and max), the
-first evaluated step at which each seed's run is at or below the paper step's final validation perplexity of the
-same seed (the validation split moves with the seed, so only same-seed comparisons count), and the speed of a
-training step: each step's model and optimizer built side by side in this process and one step of each timed in
-turn, `--step-repeats` rounds, the median (tokens/s, and seconds per step as a ratio to the paper's). The runs
-themselves take hours, so their own logged tokens/s (in the JSON) see whatever else the machine ran meanwhile;
-the interleaved steps see the same machine.
+held-out perplexity as the mean and sample standard deviation over the seeds (the JSON adds min and max), the first
+evaluated step at which each seed's run is at or below the paper preset's final validation perplexity of the same
+seed (the validation split moves with the seed, so only same-seed comparisons count; the reference is the preset as
+it ships, at its own learning rate: when the paper step's sweep chooses another, the paper step also runs at the
+preset's rate on every seed, a row of its own), and the speed of a training step: each step's model and optimizer
+built side by side in this process and one step of each timed in turn, `--step-repeats` rounds, the median
+(tokens/s, and seconds per step as a ratio to the paper's). The runs themselves take hours, so their own logged
+tokens/s (in the JSON) see whatever else the machine ran meanwhile; the interleaved steps see the same machine.
 
 The learning rate: `--lr-grid M1,M2,...` multiplies the step's peak learning rate (the preset's `learning_rate`,
 or `muon_learning_rate` once the step trains with Muon) by each multiplier on the first seed; the lowest
@@ -111,6 +112,8 @@ TITLES = {
     "muon": "+ Muon",
 }
 PRESET_ROW = "preset-"  # a --presets row's name: preset-NAME
+AS_SHIPPED = 1.0  # the paper step's multiplier that is the preset as it ships: the reference every row is held to
+AS_SHIPPED_ROW = "paper_as_shipped"  # its row, when the sweep chose another rate for the paper step
 BUDGET = ("max_steps", "eval_every")  # the ablation's own flags: every row trains the same budget
 SOFT_CAP = 15.0  # modded-nanogpt's (Gemma 2 uses 30): at 30 the tiny model's logits (|z| < 20) would barely feel it
 HELD_OUT_PACKAGES = ("idlelib", "tkinter")  # standard-library folders the default corpus skips
@@ -215,6 +218,8 @@ def preset_changes(name: str, base: dict) -> dict:
 
 
 def title_of(step: str) -> str:
+    if step == AS_SHIPPED_ROW:
+        return "the paper's decoder at the preset's rate"
     if step.startswith(PRESET_ROW):
         return f"the {step[len(PRESET_ROW) :]} preset"
     return TITLES[step]
@@ -574,13 +579,18 @@ def steps_to_reach(curve: list[list], target: float) -> int | None:
 def summarize(results: dict, steps: list[str], seeds: list[int], base: dict, grids: dict) -> list[dict]:
     """One row per step of the runs asked for, at the step's chosen learning rate: the seeds' spread of each
     perplexity (of the runs that did not diverge, which are named), the step at which each seed reaches the paper
-    step's final perplexity of that seed, the median logged tokens/s, and the sweep."""
+    preset's final perplexity of that seed (the paper step at the preset's own rate: when its sweep chose another,
+    those runs are a row of their own, first), the median logged tokens/s, and the sweep."""
     chosen = {step: chosen_multiplier(results, step, seeds[0], grids[step]) for step in steps}
     runs_of = {step: [results[run_key(step, seed, chosen[step])] for seed in seeds] for step in steps}
     paper = runs_of.get("paper")
+    if paper and chosen["paper"] != AS_SHIPPED:
+        shipped = [results.get(run_key("paper", seed, AS_SHIPPED)) for seed in seeds]
+        if all(shipped):
+            runs_of, paper = {AS_SHIPPED_ROW: shipped, **runs_of}, shipped
     rows = []
-    for step in steps:
-        runs = runs_of[step]
+    for step, runs in runs_of.items():
+        model_step = "paper" if step == AS_SHIPPED_ROW else step
         done = [r for r in runs if "diverged" not in r] or [{}]
         reached = (
             [
@@ -590,12 +600,13 @@ def summarize(results: dict, steps: list[str], seeds: list[int], base: dict, gri
             if paper
             else []
         )
-        sweep = [results[run_key(step, seeds[0], m)] for m in grids[step]]
+        sweep = [] if step == AS_SHIPPED_ROW else [results[run_key(step, seeds[0], m)] for m in grids[step]]
         rows.append(
             {
                 "step": step,
+                "timed_as": model_step,  # the step whose model and optimizer it trains
                 "title": title_of(step),
-                "changes": own_changes(step, base),
+                "changes": own_changes(model_step, base),
                 "overrides": runs[0]["overrides"],
                 "seeds": seeds,
                 "diverged_seeds": [r["seed"] for r in runs if "diverged" in r],
@@ -645,8 +656,8 @@ def print_table(rows: list[dict], base: dict, held_out: str) -> None:
     print(
         f"the {base['preset']} preset, {base['max_steps']} steps of {base['batch_size']} x "
         f"{base['max_position_embeddings']} tokens, seeds {', '.join(map(str, seeds))}; perplexity: mean ± sample "
-        "std over the seeds; reaches paper: the first evaluated step at or below the paper step's final validation "
-        "perplexity of the same seed (mean over seeds); "
+        "std over the seeds; reaches paper: the first evaluated step at or below the paper preset's final "
+        "validation perplexity (the paper step at the preset's own learning rate) of the same seed (mean over seeds); "
         + (
             "tokens/s and s/step: one training step of each row's model and optimizer, the rows interleaved in this "
             "process, the median of --step-repeats (x paper: its seconds over the paper row's); "
@@ -884,14 +895,21 @@ def run_folder(output_dir: str, step: str, seed: int, multiplier: float) -> str:
 def planned_runs(results: dict, steps: list[str], seeds: list[int], grids: dict, widen: int = 0):
     """(step, seed, multiplier) in order: the sweep on the first seed (each step at each multiplier of its grid,
     widened past an edge that holds the best, `sweep_of`), then each other seed at each step's chosen multiplier
-    (None until the step's sweep is complete: `results` grows as the runs finish)."""
+    (None until the step's sweep is complete: `results` grows as the runs finish). When the paper step's sweep
+    chose another rate than the preset's own, the paper step also runs at the preset's rate on every seed: the
+    preset as it ships is the reference each row's "reaches paper" is measured against."""
     for step in steps:
-        for multiplier in sweep_of(results, step, seeds[0], grids[step], widen)[0]:
-            yield step, seeds[0], multiplier
+        sweep = sweep_of(results, step, seeds[0], grids[step], widen)[0]
+        yield from ((step, seeds[0], multiplier) for multiplier in sweep)
+        if step == "paper" and AS_SHIPPED not in sweep:
+            yield step, seeds[0], AS_SHIPPED
     for seed in seeds[1:]:
         for step in steps:
             sweep, complete = sweep_of(results, step, seeds[0], grids[step], widen)
-            yield step, seed, chosen_multiplier(results, step, seeds[0], sweep) if complete else None
+            chosen = chosen_multiplier(results, step, seeds[0], sweep) if complete else None
+            yield step, seed, chosen
+            if step == "paper" and chosen not in (None, AS_SHIPPED):
+                yield step, seed, AS_SHIPPED
 
 
 def ready_runs(
@@ -1009,8 +1027,8 @@ def run(args: argparse.Namespace) -> int:
         seconds = step_seconds(args.steps, base, args.step_repeats, args.cpu)
         for row in rows:
             row["logged_tokens_per_second"] = row["tokens_per_second"]
-            row["step_seconds"] = seconds[row["step"]]
-            row["tokens_per_second"] = base["batch_size"] * base["max_position_embeddings"] / seconds[row["step"]]
+            row["step_seconds"] = seconds[row["timed_as"]]
+            row["tokens_per_second"] = base["batch_size"] * base["max_position_embeddings"] / row["step_seconds"]
     print_table(rows, base, description)
     if args.json:
         write_json(args.json, {"base": base, "held_out": description, "rows": rows})

@@ -285,8 +285,8 @@ def test_a_preset_past_the_paper_is_refused(tmp_path, capsys):
 
 def test_the_sweep_picks_each_steps_rate_and_the_other_seeds_use_it(setup, tmp_path):
     """--lr-grid 0.5,2 on two seeds: the first seed runs each step at both rates, the lower validation perplexity
-    picks the step's rate, the second seed runs only that one; the table's sweep and steps-to-paper come from
-    those runs."""
+    picks the step's rate, the second seed runs only that one (and the paper step the preset's own rate, x1, on
+    both: the reference); the table's sweep and steps-to-paper come from those runs."""
     _, argv = setup
     out = tmp_path / "sweep"
     argv = [a if a != argv[argv.index("--output-dir") + 1] else str(out) for a in argv]
@@ -301,14 +301,21 @@ def test_the_sweep_picks_each_steps_rate_and_the_other_seeds_use_it(setup, tmp_p
     for step in ("paper", "rotary"):
         sweep = [by[(step, 0, m)] for m in (0.5, 2.0)]
         best = min(sweep, key=lambda r: r["val_perplexity"])
-        assert [k for k in by if k[0] == step and k[1] == 1] == [(step, 1, best["lr_multiplier"])]
+        shipped = [(step, 1, 1.0)] if step == "paper" else []  # the paper preset at its own rate, the reference
+        assert sorted(k for k in by if k[0] == step and k[1] == 1) == sorted(
+            [(step, 1, best["lr_multiplier"]), *shipped]
+        )
         assert rows[step]["learning_rate"] == best["learning_rate"] == 3e-3 * best["lr_multiplier"]
         assert rows[step]["sweep"] == [[r["learning_rate"], r["val_perplexity"]] for r in sweep]
-        paper = min((by[("paper", 0, m)] for m in (0.5, 2.0)), key=lambda r: r["val_perplexity"])
-        targets = [by[("paper", seed, paper["lr_multiplier"])]["val_perplexity"] for seed in (0, 1)]
+        targets = [by[("paper", seed, 1.0)]["val_perplexity"] for seed in (0, 1)]
         own = [by[(step, seed, best["lr_multiplier"])] for seed in (0, 1)]
         reached = [ablation.steps_to_reach(r["curve"], t) for r, t in zip(own, targets, strict=True)]
         assert rows[step]["steps_to_paper"] == reached
+    shipped = rows[ablation.AS_SHIPPED_ROW]  # its own row, first, with its reference's own runs
+    assert list(rows)[0] == ablation.AS_SHIPPED_ROW and shipped["learning_rate"] == 3e-3 and not shipped["sweep"]
+    assert shipped["val_perplexity"]["mean"] == pytest.approx(
+        sum(by[("paper", seed, 1.0)]["val_perplexity"] for seed in (0, 1)) / 2
+    )
 
 
 def test_two_jobs_train_the_same_runs_each_in_its_own_process(ablated, setup, tmp_path):

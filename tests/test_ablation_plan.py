@@ -30,14 +30,65 @@ def test_the_sweep_picks_the_lowest_validation_perplexity_once_every_rate_is_in(
 
 def test_the_plan_sweeps_on_the_first_seed_then_runs_each_other_seed_at_the_chosen_rate():
     grid, results = [0.5, 2.0], {}
-    plan = ablation.planned_runs(results, ["paper", "rotary"], [3, 4], {"paper": grid, "rotary": grid})
+    plan = ablation.planned_runs(results, ["rotary", "pre_norm"], [3, 4], {"rotary": grid, "pre_norm": grid})
     sweep = [next(plan) for _ in range(4)]
-    assert sweep == [("paper", 3, 0.5), ("paper", 3, 2.0), ("rotary", 3, 0.5), ("rotary", 3, 2.0)]
+    assert sweep == [("rotary", 3, 0.5), ("rotary", 3, 2.0), ("pre_norm", 3, 0.5), ("pre_norm", 3, 2.0)]
     for step, seed, m in sweep:  # as the runs finish
         results[ablation.run_key(step, seed, m)] = record(
-            step, seed, m, {0.5: 100.0, 2.0: 90.0}[m] + (step == "rotary") * 20 * m
+            step, seed, m, {0.5: 100.0, 2.0: 90.0}[m] + (step == "pre_norm") * 20 * m
         )
-    assert list(plan) == [("paper", 4, 2.0), ("rotary", 4, 0.5)]
+    assert list(plan) == [("rotary", 4, 2.0), ("pre_norm", 4, 0.5)]
+
+
+def test_the_paper_preset_as_it_ships_runs_on_every_seed_whatever_rate_the_sweep_chose():
+    """The reference of "reaches paper" is the preset at its own rate (x1): the paper step runs at it on each seed
+    beside the sweep's choice; when the sweep chose x1, nothing is run twice."""
+    grids = {"paper": [0.5, 2.0]}  # x1 not in the grid: the first seed runs it too
+    results = {}
+    assert list(ablation.planned_runs(results, ["paper"], [0, 1], grids)) == [
+        ("paper", 0, 0.5),
+        ("paper", 0, 2.0),
+        ("paper", 0, 1.0),
+        ("paper", 1, None),
+    ]
+    for m, p in ((0.5, 130.0), (2.0, 100.0), (1.0, 120.0)):
+        results[ablation.run_key("paper", 0, m)] = record("paper", 0, m, p)
+    assert list(ablation.planned_runs(results, ["paper"], [0, 1], grids))[3:] == [("paper", 1, 2.0), ("paper", 1, 1.0)]
+    grids = {"paper": [1.0, 2.0]}
+    results[ablation.run_key("paper", 0, 2.0)] = record("paper", 0, 2.0, 125.0)  # x1 is now the choice
+    plan = list(ablation.planned_runs(results, ["paper"], [0, 1], grids))
+    assert plan == [("paper", 0, 1.0), ("paper", 0, 2.0), ("paper", 1, 1.0)]
+
+
+def test_reaches_paper_is_measured_against_the_preset_as_it_ships_in_a_row_of_its_own():
+    base = ablation.base_settings("tiny")
+    curves = {  # seed 1's run at 2e-3 falls into a plateau: against it, any curve would "reach the paper" at once
+        ("paper", 0, 1.0): (118.0, [[50, 400.0], [100, 118.0]]),
+        ("paper", 0, 2.0): (100.0, [[50, 300.0], [100, 100.0]]),
+        ("paper", 1, 1.0): (130.0, [[50, 450.0], [100, 130.0]]),
+        ("paper", 1, 2.0): (710.0, [[50, 900.0], [100, 710.0]]),
+        ("rotary", 0, 1.0): (90.0, [[50, 200.0], [100, 90.0]]),
+        ("rotary", 1, 1.0): (140.0, [[50, 500.0], [100, 140.0]]),
+    }
+    results = {}
+    for (step, seed, m), (ppl, curve) in curves.items():
+        results[ablation.run_key(step, seed, m)] = {
+            **record(step, seed, m, ppl, curve),
+            "overrides": {},
+            "swept": "learning_rate",
+            "learning_rate": 1e-3 * m,
+            "held_out_perplexity": 2 * ppl,
+            "tokens_per_second": 1000.0,
+            "parameters": 1,
+            "kv_bytes_per_token": 1,
+        }
+    rows = ablation.summarize(results, ["paper", "rotary"], [0, 1], base, {"paper": [1.0, 2.0], "rotary": [1.0]})
+    assert [row["step"] for row in rows] == [ablation.AS_SHIPPED_ROW, "paper", "rotary"]
+    shipped, paper, rotary = rows
+    assert shipped["learning_rate"] == 1e-3 and shipped["val_perplexity"]["mean"] == 124.0
+    assert shipped["timed_as"] == "paper" and shipped["changes"] == {}
+    assert paper["learning_rate"] == 2e-3 and paper["steps_to_paper"] == [100, None]  # the plateau never does
+    assert rotary["steps_to_paper"] == [100, None]  # 140 is not seed 1's 130 (against the plateau's 710: step 50)
 
 
 def test_the_sweep_moves_muons_rate_once_the_step_trains_with_muon():
@@ -68,11 +119,13 @@ def test_runs_start_only_when_their_rate_is_known_and_not_twice():
     assert ablation.ready_runs(results, running, steps, seeds, grids, 1) == [("rotary", 0, 1.0)]
     for m, p in ((1.0, 120.0), (2.0, 100.0)):
         results[ablation.run_key("paper", 0, m)] = record("paper", 0, m, p)
-    # paper's sweep is in: its second seed can start, rotary's cannot until its own sweep is
+    # paper's sweep is in: its second seed can start (at the choice and the preset's own rate), rotary's cannot
+    # until its own sweep is
     assert ablation.ready_runs(results, {}, steps, seeds, grids, 5) == [
         ("rotary", 0, 1.0),
         ("rotary", 0, 2.0),
         ("paper", 1, 2.0),
+        ("paper", 1, 1.0),
     ]
 
 
